@@ -1,0 +1,421 @@
+"""THE Transformer trunk: one file, read top to bottom.
+
+The trunk takes embeddings, never ids: tokenizers embed their modality into (B, T, d_model)
+and heads read the output. Shapes in comments use
+  B batch rows, T tokens (packed), S memory tokens (cross-attention), d d_model,
+  H query heads, G key/value heads (GQA: H % G == 0), D head dim.
+
+Attention masks are one of
+  None              full bidirectional attention           -> SDPA, no mask (flash / cuDNN)
+  "causal"          plain causal attention                 -> SDPA is_causal (flash / cuDNN)
+  bool Tensor       allowed[b, h, q, k], broadcastable     -> SDPA with a dense mask (CPU, decoding)
+  BlockMask         packed / modality-aware (omni.masks)   -> FlexAttention
+and give the same numbers on every path (tests/test_trunk.py checks each against a dense reference).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Literal, Union
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+Mask = Union[None, Literal["causal"], Tensor, BlockMask]
+
+
+@dataclass
+class TrunkConfig:
+    d_model: int = 512
+    n_layers: int = 6
+    n_heads: int = 8
+    n_kv_heads: int | None = None  # None = n_heads (MHA); 1 = MQA; else GQA
+    mlp: Literal["gelu", "swiglu"] = "gelu"
+    mlp_ratio: float = 4.0  # hidden = mlp_ratio * d_model (swiglu: 2/3 of it, rounded to 64, as LLaMA)
+    norm: Literal["layernorm", "rmsnorm"] = "layernorm"
+    norm_eps: float = 1e-5
+    positions: Literal["rope", "rope2d", "learned", "sinusoidal", "none"] = "rope"
+    max_positions: int = 4096  # learned table size per axis
+    rope_base: float = 10000.0
+    cross_attention: bool = False  # adds a cross-attention sublayer (encoder-decoder decoder)
+    bias: bool = True
+    dropout: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.d_model % self.n_heads:
+            raise ValueError(f"d_model {self.d_model} is not divisible by n_heads {self.n_heads}")
+        if self.n_heads % self.kv_heads:
+            raise ValueError(f"n_heads {self.n_heads} is not divisible by n_kv_heads {self.kv_heads}")
+        if self.positions == "rope2d" and self.head_dim % 4:
+            raise ValueError(f"2-D RoPE needs head_dim divisible by 4, got {self.head_dim}")
+        if self.positions == "rope" and self.head_dim % 2:
+            raise ValueError(f"RoPE needs an even head_dim, got {self.head_dim}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+# Named sizes. ViT sizes follow the ViT paper, "whisper-*" the Whisper encoder/decoder stacks,
+# "dt" the official Decision Transformer.
+PRESETS: dict[str, dict] = {
+    "tiny": dict(d_model=64, n_layers=2, n_heads=4),
+    "Ti": dict(d_model=192, n_layers=12, n_heads=3),
+    "S": dict(d_model=384, n_layers=12, n_heads=6),
+    "B": dict(d_model=768, n_layers=12, n_heads=12),
+    "L": dict(d_model=1024, n_layers=24, n_heads=16),
+    "whisper-tiny": dict(d_model=384, n_layers=4, n_heads=6),
+    "whisper-base": dict(d_model=512, n_layers=6, n_heads=8),
+    "whisper-small": dict(d_model=768, n_layers=12, n_heads=12),
+    "dt": dict(d_model=128, n_layers=3, n_heads=1),
+}
+
+
+def preset(name: str, **overrides) -> TrunkConfig:
+    """A TrunkConfig from a named size, with any field overridden."""
+    if name not in PRESETS:
+        raise KeyError(f"unknown trunk preset {name!r}; available: {', '.join(PRESETS)}")
+    return TrunkConfig(**{**PRESETS[name], **overrides})
+
+
+# ----------------------------------------------------------------------------------------------------
+# Normalisation and MLP
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, d: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(d))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+def make_norm(cfg: TrunkConfig) -> nn.Module:
+    if cfg.norm == "rmsnorm":
+        return RMSNorm(cfg.d_model, cfg.norm_eps)
+    return nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps, bias=cfg.bias)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: TrunkConfig) -> None:
+        super().__init__()
+        self.swiglu = cfg.mlp == "swiglu"
+        hidden = int(cfg.mlp_ratio * cfg.d_model)
+        if self.swiglu:  # keep the parameter count of a GELU MLP with the same ratio
+            hidden = 64 * math.ceil(2 * hidden / 3 / 64)
+        self.up = nn.Linear(cfg.d_model, 2 * hidden if self.swiglu else hidden, bias=cfg.bias)
+        self.down = nn.Linear(hidden, cfg.d_model, bias=cfg.bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.up(x)
+        if self.swiglu:
+            gate, value = h.chunk(2, dim=-1)
+            h = F.silu(gate) * value
+        else:
+            h = F.gelu(h, approximate="tanh")
+        return self.down(h)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Positions. Tokenizers supply per-token positions (B, T, 2): (row, col) for image grids, (p, p) for
+# 1-D streams, so 2-D RoPE on a 1-D stream is plain RoPE with the frequencies split over two halves.
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for RoPE ("rope": axis 0 over the whole head; "rope2d": axis 0 and 1 over halves)."""
+
+    def __init__(self, head_dim: int, base: float, two_d: bool) -> None:
+        super().__init__()
+        self.two_d = two_d
+        n = head_dim // 4 if two_d else head_dim // 2
+        inv_freq = base ** (-torch.arange(n, dtype=torch.float32) / n)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        p = positions.float()  # (B, T, 2)
+        if self.two_d:
+            angles = torch.cat([p[..., 0, None] * self.inv_freq, p[..., 1, None] * self.inv_freq], dim=-1)
+        else:
+            angles = p[..., 0, None] * self.inv_freq  # (B, T, D/2)
+        return angles.cos()[:, None], angles.sin()[:, None]  # (B, 1, T, D/2) each
+
+
+def apply_rotary(x: Tensor, rope: tuple[Tensor, Tensor]) -> Tensor:
+    """Rotate pairs (x[i], x[i + D/2]) of x (B, heads, T, D) by the position angles."""
+    cos, sin = rope
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).type_as(x)
+
+
+class LearnedPositions(nn.Module):
+    """Factorised learned absolute positions: row table + column table (one table in effect for 1-D)."""
+
+    def __init__(self, cfg: TrunkConfig) -> None:
+        super().__init__()
+        self.rows = nn.Embedding(cfg.max_positions, cfg.d_model)
+        self.cols = nn.Embedding(cfg.max_positions, cfg.d_model)
+        self.max_positions = cfg.max_positions
+
+    def forward(self, positions: Tensor) -> Tensor:
+        p = positions.clamp(0, self.max_positions - 1)  # documented: beyond the table, the last entry repeats
+        return self.rows(p[..., 0]) + self.cols(p[..., 1])
+
+
+class SinusoidalPositions(nn.Module):
+    """Fixed sin/cos positions; half the channels encode axis 0, half axis 1 (MAE-style 2-D sincos)."""
+
+    def __init__(self, d_model: int) -> None:
+        super().__init__()
+        if d_model % 4:
+            raise ValueError(f"sinusoidal positions need d_model divisible by 4, got {d_model}")
+        n = d_model // 4
+        self.register_buffer("inv_freq", 10000.0 ** (-torch.arange(n, dtype=torch.float32) / n), persistent=False)
+
+    def forward(self, positions: Tensor) -> Tensor:
+        a = positions.float()[..., None] * self.inv_freq  # (B, T, 2, d/4)
+        return torch.cat([a.sin(), a.cos()], dim=-1).flatten(-2)  # (B, T, d)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Attention
+
+
+def attend(q: Tensor, k: Tensor, v: Tensor, mask: Mask) -> Tensor:
+    """q (B, H, Tq, D), k/v (B, G, Tk, D) -> (B, H, Tq, D), dispatching on the mask type."""
+    gqa = q.shape[1] != k.shape[1]
+    if isinstance(mask, BlockMask):
+        # Compiled Flex kernels on GPU; the eager path (reference math) serves CPU and tests.
+        fn = _compiled_flex() if q.is_cuda else flex_attention
+        return fn(q, k, v, block_mask=mask, enable_gqa=gqa)
+    if isinstance(mask, str):
+        if mask != "causal":
+            raise ValueError(f"unknown mask {mask!r}; use None, 'causal', a bool tensor or a BlockMask")
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+
+
+_FLEX = None
+
+
+def _compiled_flex():
+    global _FLEX
+    if _FLEX is None:
+        _FLEX = torch.compile(flex_attention, dynamic=False)
+    return _FLEX
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, cfg: TrunkConfig) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv, self.head_dim = cfg.n_heads, cfg.kv_heads, cfg.head_dim
+        self.qkv = nn.Linear(cfg.d_model, (cfg.n_heads + 2 * cfg.kv_heads) * cfg.head_dim, bias=cfg.bias)
+        self.out = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=cfg.bias)
+
+    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor] | None, mask: Mask,
+                cache: "KVCache | None" = None, layer: int = 0) -> Tensor:
+        B, T, _ = x.shape
+        q, k, v = self.qkv(x).split([self.n_heads * self.head_dim, self.n_kv * self.head_dim,
+                                      self.n_kv * self.head_dim], dim=-1)
+        q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, D)
+        k = k.view(B, T, self.n_kv, self.head_dim).transpose(1, 2)  # (B, G, T, D)
+        v = v.view(B, T, self.n_kv, self.head_dim).transpose(1, 2)  # (B, G, T, D)
+        if rope is not None:
+            q, k = apply_rotary(q, rope), apply_rotary(k, rope)
+        if cache is not None:  # write the new keys/values, attend over the whole static buffer
+            k, v = cache.update(layer, k, v)  # (B, G, max_length, D)
+        y = attend(q, k, v, mask)  # (B, H, T, D)
+        return self.out(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class CrossAttention(nn.Module):
+    """Queries from the stream, keys/values from encoder memory (computed once per sequence when cached)."""
+
+    def __init__(self, cfg: TrunkConfig) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv, self.head_dim = cfg.n_heads, cfg.kv_heads, cfg.head_dim
+        self.q = nn.Linear(cfg.d_model, cfg.n_heads * cfg.head_dim, bias=cfg.bias)
+        self.kv = nn.Linear(cfg.d_model, 2 * cfg.kv_heads * cfg.head_dim, bias=cfg.bias)
+        self.out = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=cfg.bias)
+
+    def memory_kv(self, memory: Tensor) -> tuple[Tensor, Tensor]:
+        B, S, _ = memory.shape
+        k, v = self.kv(memory).view(B, S, 2, self.n_kv, self.head_dim).permute(2, 0, 3, 1, 4)
+        return k, v  # (B, G, S, D) each
+
+    def forward(self, x: Tensor, memory: Tensor | None, memory_mask: Tensor | None,
+                cache: "KVCache | None" = None, layer: int = 0) -> Tensor:
+        B, T, _ = x.shape
+        q = self.q(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, D)
+        if cache is not None and cache.cross[layer] is not None:
+            k, v = cache.cross[layer]
+        else:
+            if memory is None:
+                raise ValueError("cross-attention needs `memory` (encoder output) on the first call")
+            k, v = self.memory_kv(memory)
+            if cache is not None:
+                cache.cross[layer] = (k, v)
+        mask = None if memory_mask is None else memory_mask[:, None, None, :]  # (B, 1, 1, S) keys kept
+        y = attend(q, k, v, mask)
+        return self.out(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class Block(nn.Module):
+    """Pre-norm block: x + SelfAttn(norm x) [+ CrossAttn(norm x)] + MLP(norm x)."""
+
+    def __init__(self, cfg: TrunkConfig) -> None:
+        super().__init__()
+        self.attn_norm, self.attn = make_norm(cfg), SelfAttention(cfg)
+        self.cross_norm = make_norm(cfg) if cfg.cross_attention else None
+        self.cross = CrossAttention(cfg) if cfg.cross_attention else None
+        self.mlp_norm, self.mlp = make_norm(cfg), MLP(cfg)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor] | None, mask: Mask,
+                memory: Tensor | None = None, memory_mask: Tensor | None = None,
+                cache: "KVCache | None" = None, layer: int = 0) -> Tensor:
+        x = x + self.drop(self.attn(self.attn_norm(x), rope, mask, cache, layer))
+        if self.cross is not None:
+            x = x + self.drop(self.cross(self.cross_norm(x), memory, memory_mask, cache, layer))
+        return x + self.drop(self.mlp(self.mlp_norm(x)))
+
+
+# ----------------------------------------------------------------------------------------------------
+# KV cache
+
+
+@dataclass
+class KVCache:
+    """Static key/value buffers for incremental decoding.
+
+    Shapes never change while decoding (a precondition for CUDA graphs): every step attends over
+    the whole buffer (B, G, max_length, D) and a mask hides the slots not written yet and the
+    slots written as padding. Cross-attention K/V are computed on the first call and reused.
+    """
+
+    k: Tensor  # (L, B, G, max_length, D)
+    v: Tensor  # (L, B, G, max_length, D)
+    valid: Tensor  # (B, max_length) bool: slot written by a real (non-pad) token
+    length: int = 0  # slots used so far
+    cross: list[tuple[Tensor, Tensor] | None] = field(default_factory=list)
+
+    @classmethod
+    def empty(cls, cfg: TrunkConfig, batch_size: int, max_length: int,
+              device: torch.device | str | None = None, dtype: torch.dtype = torch.float32) -> "KVCache":
+        shape = (cfg.n_layers, batch_size, cfg.kv_heads, max_length, cfg.head_dim)
+        return cls(k=torch.zeros(shape, device=device, dtype=dtype), v=torch.zeros(shape, device=device, dtype=dtype),
+                   valid=torch.zeros(batch_size, max_length, dtype=torch.bool, device=device),
+                   cross=[None] * cfg.n_layers)
+
+    @property
+    def max_length(self) -> int:
+        return self.k.shape[3]
+
+    def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        T = k.shape[2]
+        self.k[layer, :, :, self.length:self.length + T] = k
+        self.v[layer, :, :, self.length:self.length + T] = v
+        return self.k[layer], self.v[layer]
+
+    def attention_mask(self, T: int, new_mask: Mask, pad: Tensor | None) -> Tensor:
+        """Mask (B, 1, T, max_length) for T new tokens: all earlier valid slots, plus `new_mask`
+        (None = causal, "full" = bidirectional, or bool (B|1, 1, T, T)) among the new tokens."""
+        start, B = self.length, self.valid.shape[0]
+        if start + T > self.max_length:
+            raise ValueError(f"KV cache overflow: {start} cached + {T} new > max_length {self.max_length}")
+        self.valid[:, start:start + T] = True if pad is None else ~pad
+        device = self.valid.device
+        if new_mask is None or (isinstance(new_mask, str) and new_mask == "causal"):
+            block = torch.ones(T, T, dtype=torch.bool, device=device).tril()[None, None]
+        elif isinstance(new_mask, str) and new_mask == "full":
+            block = torch.ones(1, 1, T, T, dtype=torch.bool, device=device)
+        elif isinstance(new_mask, Tensor):
+            block = new_mask
+        else:
+            raise TypeError(f"with a KV cache the mask must be None/'causal'/'full' or a bool tensor, got {type(new_mask)}")
+        full = torch.zeros(B, 1, T, self.max_length, dtype=torch.bool, device=device)
+        full[..., :start] = True
+        full[..., start:start + T] = block
+        full = full & self.valid[:, None, None, :]
+        # A pad query that sees nothing would give NaN: let it see its own slot.
+        own = torch.zeros_like(full)
+        own[..., start:start + T] = torch.eye(T, dtype=torch.bool, device=device)
+        return full | own
+
+
+# ----------------------------------------------------------------------------------------------------
+# The trunk
+
+
+class Trunk(nn.Module):
+    def __init__(self, cfg: TrunkConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.rope = (RotaryEmbedding(cfg.head_dim, cfg.rope_base, two_d=cfg.positions == "rope2d")
+                     if cfg.positions in ("rope", "rope2d") else None)
+        self.absolute: nn.Module | None = {
+            "learned": lambda: LearnedPositions(cfg),
+            "sinusoidal": lambda: SinusoidalPositions(cfg.d_model),
+        }.get(cfg.positions, lambda: None)()
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.norm = make_norm(cfg)
+        self.apply(self._init_weights)
+        for name, p in self.named_parameters():  # GPT-2: scale residual projections by depth
+            if name.endswith(("attn.out.weight", "cross.out.weight", "mlp.down.weight")):
+                nn.init.normal_(p, std=0.02 / math.sqrt(2 * cfg.n_layers))
+
+    @staticmethod
+    def _init_weights(m: nn.Module) -> None:
+        if isinstance(m, nn.Linear):
+            nn.init.normal_(m.weight, std=0.02)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+        elif isinstance(m, nn.Embedding):
+            nn.init.normal_(m.weight, std=0.02)
+
+    def forward(self, x: Tensor, positions: Tensor | None = None, mask: Mask | str = None,
+                memory: Tensor | None = None, memory_mask: Tensor | None = None,
+                cache: KVCache | None = None, pad: Tensor | None = None) -> Tensor:
+        """x (B, T, d) embeddings -> (B, T, d) normalised hidden states.
+
+        positions: (B, T, 2) or (B, T) ints; default 0..T-1 (continuing after the cache).
+        mask:      see the module docstring; with a cache: None/"causal", "full" or bool (B|1, 1, T, T)
+                   among the new tokens (earlier cached tokens are always visible).
+        memory:    (B, S, d) encoder output for cross-attention; memory_mask (B, S) bool, True = keep.
+        cache:     KVCache to read and extend (incremental decoding); pad (B, T) bool marks pad tokens.
+        """
+        B, T, _ = x.shape
+        if positions is None:
+            start = cache.length if cache is not None else 0
+            positions = torch.arange(start, start + T, device=x.device).expand(B, T)
+        if positions.dim() == 2:
+            positions = torch.stack([positions, positions], dim=-1)  # 1-D -> (p, p)
+        if self.absolute is not None:
+            x = x + self.absolute(positions).to(x.dtype)
+        rope = self.rope(positions) if self.rope is not None else None
+        if cache is not None:
+            mask = cache.attention_mask(T, mask, pad)
+        for i, block in enumerate(self.blocks):
+            x = block(x, rope, mask, memory, memory_mask, cache, i)
+        if cache is not None:
+            cache.length += T
+        return self.norm(x)
+
+    def new_cache(self, batch_size: int, max_length: int, device: torch.device | str | None = None,
+                  dtype: torch.dtype | None = None) -> KVCache:
+        p = next(self.parameters())
+        return KVCache.empty(self.cfg, batch_size, max_length, device or p.device, dtype or p.dtype)
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())
