@@ -1,0 +1,501 @@
+"""Text: byte-level BPE (Hugging Face ``tokenizers``) with exact round trips.
+
+``decode(encode(s)) == s`` for every Python string that is valid Unicode (no lone surrogates):
+empty, whitespace, control characters, emoji, CJK, combining marks, and text that literally
+contains special-token strings such as ``"<|eos|>"``. That holds because
+
+* there is no normalizer and the ByteLevel pre-tokenizer runs with ``add_prefix_space=False``,
+  so the text is split, never rewritten, and every byte maps to one of 256 alphabet symbols;
+* the BPE alphabet is the full ByteLevel alphabet, so any byte sequence is encodable;
+* ``encode_special_tokens`` is on: special-token *text* in the input is encoded as plain bytes,
+  so special ids only ever come from ``encode`` placing them by position (bos first, eos last);
+* ``decode`` strips those by position and drops the other special ids, then the ByteLevel
+  decoder turns the remaining symbols back into the original bytes.
+
+The shipped vocabulary (``tokenizers/bpe-8k/`` at the repository root) was fitted with
+``fit_default_asset`` on Jane Austen's six novels (public domain), read from the Debian
+package ``r-cran-janeaustenr`` by ``austen_novels`` without needing R.
+"""
+
+from __future__ import annotations
+
+import bz2
+import gzip
+import lzma
+import os
+import struct
+import warnings
+import zlib
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from omni.segment import Role, Segment
+from omni.tokenizers.base import Tokenizer, TypeEmbedding, register_tokenizer
+
+# Special tokens take ids 0..15 in this order in every tokenizer fitted by ``fit`` (the BPE
+# trainer adds them first), so ids are stable across refits. The reserved slots let later
+# tasks add a control token without refitting and without changing the embedding size.
+SPECIAL_TOKENS: tuple[str, ...] = (
+    "<|pad|>",
+    "<|bos|>",
+    "<|eos|>",
+    "<|transcribe|>",
+    "<|caption|>",
+    "<|classify|>",
+    "<|act|>",
+    *(f"<|reserved_{i}|>" for i in range(9)),
+)
+DEFAULT_ASSET = "bpe-8k"
+TOKENIZER_FILE = "tokenizer.json"
+IGNORE_INDEX = -100  # targets value that the LM loss ignores (torch cross_entropy default)
+TRUNCATION_POLICIES = ("error", "truncate")
+# Where ``apt-get install r-cran-janeaustenr`` puts the package (``dpkg-deb -x`` of the .deb
+# into a folder puts it under that folder's usr/lib/R/site-library/janeaustenr).
+AUSTEN_DIR = "/usr/lib/R/site-library/janeaustenr"
+
+
+def default_asset_path() -> Path:
+    """The shipped tokenizer.json: ``<repo>/tokenizers/bpe-8k/tokenizer.json``."""
+    return Path(__file__).resolve().parents[2] / "tokenizers" / DEFAULT_ASSET / TOKENIZER_FILE
+
+
+def _special_name(name: str) -> str:
+    """Accept ``"eos"`` as well as ``"<|eos|>"``."""
+    return name if name.startswith("<|") else f"<|{name}|>"
+
+
+@register_tokenizer()
+class TextTokenizer(Tokenizer):
+    """Byte-level BPE text tokenizer producing causal segments ``[bos] + ids + [eos]``.
+
+    Args:
+        path: a tokenizer.json (byte-level BPE holding at least <|pad|>, <|bos|>, <|eos|>),
+            or None for the shipped ``tokenizers/bpe-8k`` asset. Read lazily on first use,
+            so ``Tokenizer.load`` of a fitted tokenizer never needs the original file.
+        max_length: most tokens in one segment, bos and eos included.
+        add_bos / add_eos: put bos first / eos last.
+        truncation: what ``encode`` does with a text longer than ``max_length``:
+            ``"error"`` raises ValueError naming the sample key; ``"truncate"`` keeps the first
+            ``max_length`` tokens (eos is then cut too: the text did not end there) and warns
+            naming the key.
+    """
+
+    modality = "text"
+    role = Role.CAUSAL
+
+    def __init__(
+        self,
+        path: str | None = None,
+        max_length: int = 1024,
+        add_bos: bool = True,
+        add_eos: bool = True,
+        truncation: str = "error",
+    ) -> None:
+        if truncation not in TRUNCATION_POLICIES:
+            raise ValueError(f"truncation must be one of {TRUNCATION_POLICIES}, got {truncation!r}")
+        if int(max_length) < max(1, int(add_bos) + int(add_eos)):
+            raise ValueError(f"max_length must be >= max(1, add_bos + add_eos), got {max_length}")
+        self.path = None if path is None else str(path)
+        self.max_length = int(max_length)
+        self.add_bos = bool(add_bos)
+        self.add_eos = bool(add_eos)
+        self.truncation = truncation
+        self._tok: Any = None  # tokenizers.Tokenizer, loaded on first use
+        self._special_ids: dict[str, int] = {}
+        self._special_id_set: frozenset[int] = frozenset()
+
+    # -- state ---------------------------------------------------------------------------------------
+    def config(self) -> dict[str, Any]:
+        return {
+            "path": self.path,
+            "max_length": self.max_length,
+            "add_bos": self.add_bos,
+            "add_eos": self.add_eos,
+            "truncation": self.truncation,
+        }
+
+    @property
+    def hf(self) -> Any:
+        """The underlying ``tokenizers.Tokenizer`` (loaded from ``path`` on first access)."""
+        if self._tok is None:
+            path = Path(self.path) if self.path is not None else default_asset_path()
+            if not path.is_file():
+                raise FileNotFoundError(
+                    f"text tokenizer file {path} not found: pass path= to a tokenizer.json, "
+                    "or fit one with TextTokenizer.fit / fit_default_asset"
+                )
+            from tokenizers import Tokenizer as HFTokenizer
+
+            self._set(HFTokenizer.from_file(str(path)), source=str(path))
+        return self._tok
+
+    def _set(self, tok: Any, source: str) -> None:
+        # Not stored in tokenizer.json, so it must be switched on after every load: without it a
+        # literal "<|eos|>" in the input would become the eos id and break the round trip.
+        tok.encode_special_tokens = True
+        ids = {name: tok.token_to_id(name) for name in SPECIAL_TOKENS}
+        missing = [n for n in ("<|pad|>", "<|bos|>", "<|eos|>") if ids[n] is None]
+        if missing:
+            raise ValueError(f"tokenizer {source} lacks the special tokens {missing}")
+        self._tok = tok
+        self._special_ids = {n: i for n, i in ids.items() if i is not None}
+        self._special_id_set = frozenset(self._special_ids.values())
+
+    def save_state(self, directory: Path) -> None:
+        """Write the fitted vocabulary as ``directory/tokenizer.json``."""
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        target = Path(directory) / TOKENIZER_FILE
+        tmp = target.with_name(target.name + ".tmp")
+        self.hf.save(str(tmp), pretty=False)
+        os.replace(tmp, target)
+
+    def load_state(self, directory: Path) -> None:
+        """Read ``directory/tokenizer.json`` written by ``save_state``."""
+        from tokenizers import Tokenizer as HFTokenizer
+
+        path = Path(directory) / TOKENIZER_FILE
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} not found: not a saved text tokenizer")
+        self._set(HFTokenizer.from_file(str(path)), source=str(path))
+
+    def __getstate__(self) -> dict[str, Any]:
+        # HF tokenizers pickle via JSON, which drops encode_special_tokens; go through _set instead.
+        state = dict(self.__dict__)
+        tok = state.pop("_tok")
+        state["_tok_json"] = None if tok is None else tok.to_str()
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        tok_json = state.pop("_tok_json")
+        self.__dict__.update(state)
+        self._tok = None
+        if tok_json is not None:
+            from tokenizers import Tokenizer as HFTokenizer
+
+            self._set(HFTokenizer.from_str(tok_json), source="pickled state")
+
+    # -- vocabulary ----------------------------------------------------------------------------------
+    @property
+    def vocab_size(self) -> int:
+        """Number of ids, special tokens included (the embedding / LM-head size)."""
+        return int(self.hf.get_vocab_size(with_added_tokens=True))
+
+    def token_id(self, name: str) -> int:
+        """Id of a special token, named ``"eos"`` or ``"<|eos|>"``."""
+        if self._tok is None:
+            self.hf  # noqa: B018 - loads the vocabulary
+        full = _special_name(name)
+        if full not in self._special_ids:
+            raise KeyError(f"unknown special token {name!r}; available: {', '.join(self._special_ids)}")
+        return self._special_ids[full]
+
+    @property
+    def special_tokens(self) -> tuple[str, ...]:
+        self.hf  # noqa: B018
+        return tuple(self._special_ids)
+
+    @property
+    def pad_id(self) -> int:
+        return self.token_id("pad")
+
+    @property
+    def bos_id(self) -> int:
+        return self.token_id("bos")
+
+    @property
+    def eos_id(self) -> int:
+        return self.token_id("eos")
+
+    # -- encode --------------------------------------------------------------------------------------
+    def encode(self, raw: str, *, key: str = "", task: str | None = None) -> Segment:
+        """One string -> causal Segment: tokens ``[bos] (+ [task]) + ids + [eos]`` (int64),
+        positions ``0..n-1``, targets = next token (``-100`` where nothing is to be predicted).
+
+        ``task`` (e.g. ``"transcribe"``) puts that special token right after bos; it is a
+        given condition, so no position is trained to predict it.
+        """
+        self._check_text(raw, key)
+        try:
+            ids = self.hf.encode(raw, add_special_tokens=False).ids
+        except TypeError:  # HF rejects strings that are not valid Unicode (lone surrogates)
+            self._check_unicode(raw, key)
+            raise
+        return self._segment(ids, key, task)
+
+    def encode_batch(
+        self, texts: Sequence[str], *, keys: Sequence[str] | None = None, task: str | None = None
+    ) -> list[Segment]:
+        """``encode`` of many strings at once (HF's parallel batch encoder); ``keys[i]`` (default
+        the index) names ``texts[i]`` in errors."""
+        if keys is not None and len(keys) != len(texts):
+            raise ValueError(f"encode_batch got {len(texts)} texts but {len(keys)} keys")
+        names = [str(k) for k in keys] if keys is not None else [str(i) for i in range(len(texts))]
+        for text, name in zip(texts, names):
+            self._check_text(text, name)
+        try:
+            encodings = self.hf.encode_batch(list(texts), add_special_tokens=False)
+        except TypeError:
+            for text, name in zip(texts, names):
+                self._check_unicode(text, name)
+            raise
+        return [self._segment(e.ids, name, task) for e, name in zip(encodings, names)]
+
+    @staticmethod
+    def _check_text(raw: Any, key: str) -> None:
+        if not isinstance(raw, str):
+            raise TypeError(f"text sample {key!r}: expected str, got {type(raw).__name__}")
+
+    @staticmethod
+    def _check_unicode(raw: str, key: str) -> None:
+        try:
+            raw.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ValueError(
+                f"text sample {key!r}: expected valid Unicode text, found a lone surrogate at index {exc.start}"
+            ) from None
+
+    def _segment(self, ids: list[int], key: str, task: str | None) -> Segment:
+        head = [self.bos_id] if self.add_bos else []
+        if task is not None:
+            head.append(self.token_id(task))
+        full = head + ids + ([self.eos_id] if self.add_eos else [])
+        if len(full) > self.max_length:
+            if self.truncation == "error":
+                raise ValueError(
+                    f"text sample {key!r} has {len(full)} tokens, more than max_length={self.max_length} "
+                    "(use truncation='truncate' to cut it)"
+                )
+            warnings.warn(
+                f"text sample {key!r}: {len(full)} tokens truncated to max_length={self.max_length}",
+                stacklevel=3,
+            )
+            full = full[: self.max_length]
+        if not full:
+            raise ValueError(f"text sample {key!r} encodes to no tokens (empty text with add_bos=add_eos=False)")
+        tokens = torch.tensor(full, dtype=torch.int64)
+        targets = torch.full_like(tokens, IGNORE_INDEX)
+        targets[:-1] = tokens[1:]
+        if task is not None and self.add_bos and len(full) > 1:
+            targets[0] = IGNORE_INDEX  # the task token is an input condition, not a prediction
+        return Segment(
+            modality=self.modality,
+            tokens=tokens,
+            positions=torch.arange(len(full), dtype=torch.int64),
+            role=self.role,
+            targets=targets,
+        )
+
+    # -- decode --------------------------------------------------------------------------------------
+    def decode(self, ids: Tensor | Sequence[int], *, skip_special: bool = True) -> str:
+        """Ids -> text: drops a leading bos, stops at the first eos, drops pad, and (with
+        ``skip_special``) every other special id; otherwise those appear as their text."""
+        if isinstance(ids, Tensor):
+            if ids.dim() != 1:
+                raise ValueError(f"decode expects a 1-D id tensor, got shape {tuple(ids.shape)}")
+            ids = ids.tolist()
+        ids = [int(i) for i in ids]
+        n = self.vocab_size
+        bad = [i for i in ids if not 0 <= i < n]
+        if bad:
+            raise ValueError(f"decode got ids outside [0, {n}): {bad[:5]}")
+        bos, eos, pad = self.bos_id, self.eos_id, self.pad_id
+        if ids and ids[0] == bos:
+            ids = ids[1:]
+        if eos in ids:
+            ids = ids[: ids.index(eos)]
+        drop = self._special_id_set if skip_special else {pad}
+        # skip_special_tokens=False: a special id we keep on purpose must decode to its text.
+        return self.hf.decode([i for i in ids if i not in drop], skip_special_tokens=False)
+
+    # -- fit -----------------------------------------------------------------------------------------
+    def fit(self, texts: Iterable[str], vocab_size: int = 8192, min_frequency: int = 2) -> "TextTokenizer":
+        """Train a byte-level BPE on ``texts``; ``vocab_size`` counts the special tokens.
+        Replaces the current vocabulary; returns self."""
+        from tokenizers import Tokenizer as HFTokenizer
+        from tokenizers import decoders, models, pre_tokenizers, trainers
+
+        if vocab_size < len(SPECIAL_TOKENS) + 256:
+            raise ValueError(f"vocab_size must be >= {len(SPECIAL_TOKENS) + 256} (specials + 256 bytes)")
+        tok = HFTokenizer(models.BPE())
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        tok.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(
+            vocab_size=vocab_size,
+            min_frequency=min_frequency,
+            special_tokens=list(SPECIAL_TOKENS),
+            # every byte gets a symbol even if the corpus never shows it
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        )
+
+        def checked() -> Iterable[str]:
+            for i, text in enumerate(texts):
+                self._check_text(text, str(i))
+                yield text
+
+        tok.train_from_iterator(checked(), trainer=trainer)
+        self._set(tok, source="fit")
+        return self
+
+    # -- embed ---------------------------------------------------------------------------------------
+    def embedder(self, d_model: int) -> "TextEmbedder":
+        return TextEmbedder(self.vocab_size, d_model)
+
+
+class TextEmbedder(nn.Module):
+    """Token ids (N,) -> (N, d_model): embedding table + modality type vector.
+
+    ``.token`` is the ``nn.Embedding``; an LM head ties to ``embedder.token.weight``.
+    """
+
+    def __init__(self, vocab_size: int, d_model: int) -> None:
+        super().__init__()
+        self.token = nn.Embedding(vocab_size, d_model)
+        nn.init.normal_(self.token.weight, std=0.02)
+        self.type_embedding = TypeEmbedding(d_model)  # not `.type`: nn.Module.type is a method
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        return self.type_embedding(self.token(tokens))
+
+
+# -- the default corpus and asset -------------------------------------------------------------------
+def austen_novels(root: str | os.PathLike = AUSTEN_DIR) -> dict[str, list[str]]:
+    """Jane Austen's six novels (public domain) as lists of paragraphs, keyed by R name
+    (``emma``, ``prideprejudice`` ...).
+
+    Reads the R lazy-load database of the ``janeaustenr`` package (Debian package
+    ``r-cran-janeaustenr``) directly, so R itself is not needed: ``root`` is the package
+    folder or any folder above it (e.g. where ``dpkg-deb -x`` unpacked the .deb).
+    Paragraphs are the blank-line separated blocks with their hard line breaks joined by
+    one space; chapter headings are paragraphs too.
+    """
+    root = Path(root)
+    found = [root / "data" / "Rdata.rdx"] if root.name == "janeaustenr" else []
+    # otherwise search below root, by package name so other R packages' data are never picked
+    found = [p for p in found if p.is_file()] or sorted(root.glob("**/janeaustenr/data/Rdata.rdx"))
+    if not found:
+        raise FileNotFoundError(
+            f"no janeaustenr data (data/Rdata.rdx) under {root}: `apt-get download r-cran-janeaustenr && "
+            "dpkg-deb -x r-cran-janeaustenr_*.deb DIR` and pass DIR"
+        )
+    index = _r_unserialize(gzip.decompress(found[0].read_bytes()))
+    variables = index["variables"]
+    novels: dict[str, list[str]] = {}
+    with open(found[0].with_suffix(".rdb"), "rb") as db:
+        for name, (offset, length) in variables.items():
+            db.seek(offset)
+            lines = _r_unserialize(_r_chunk(db.read(length)))
+            paragraphs, block = [], []
+            for line in [*lines, ""]:
+                if line is not None and line.strip():
+                    block.append(line.strip())
+                elif block:
+                    paragraphs.append(" ".join(block))
+                    block = []
+            novels[name] = paragraphs
+    return novels
+
+
+def fit_default_asset(
+    corpus_paths: Sequence[str | os.PathLike],
+    out_dir: str | os.PathLike,
+    vocab_size: int = 8192,
+    min_frequency: int = 2,
+) -> Path:
+    """Fit the BPE on ``corpus_paths`` and write ``out_dir/tokenizer.json``; returns its path.
+
+    Each path is a UTF-8 text file or a folder holding the janeaustenr R package (see
+    ``austen_novels``); a novel becomes one training text with paragraphs joined by blank
+    lines, so merges over "\\n\\n" are learned too. The shipped ``tokenizers/bpe-8k`` is
+    ``fit_default_asset([DIR], "tokenizers/bpe-8k")`` (see its README for DIR).
+    """
+    texts: list[str] = []
+    for p in map(Path, corpus_paths):
+        if p.is_dir():
+            texts.extend("\n\n".join(paragraphs) for _, paragraphs in sorted(austen_novels(p).items()))
+        else:
+            texts.append(p.read_text(encoding="utf-8"))
+    tok = TextTokenizer().fit(texts, vocab_size=vocab_size, min_frequency=min_frequency)
+    tok.save_state(Path(out_dir))
+    return Path(out_dir) / TOKENIZER_FILE
+
+
+def _r_chunk(chunk: bytes) -> bytes:
+    """One object of an R lazy-load .rdb: 4-byte big-endian length, then (R >= 2.10) a type
+    byte Z/2/X/0 for zlib/bzip2/xz/none, else a bare zlib stream."""
+    (size,) = struct.unpack(">I", chunk[:4])
+    kind, body = chunk[4:5], chunk[5:]
+    data = {
+        b"Z": zlib.decompress,
+        b"2": bz2.decompress,
+        b"X": lzma.decompress,
+        b"0": bytes,
+    }.get(kind, lambda _: zlib.decompress(chunk[4:]))(body)
+    if len(data) != size:
+        raise ValueError(f"corrupt R lazy-load chunk: expected {size} bytes, got {len(data)}")
+    return data
+
+
+def _r_unserialize(data: bytes) -> Any:
+    """Minimal reader of R's XDR serialization, enough for character/integer vectors and
+    named lists: strings -> str, vectors -> list, named lists -> dict, NULL -> None."""
+    if data[:2] != b"X\n":
+        raise ValueError("not an R XDR serialization stream")
+    pos = 2
+    refs: list[Any] = []
+
+    def integer() -> int:
+        nonlocal pos
+        (v,) = struct.unpack_from(">i", data, pos)
+        pos += 4
+        return v
+
+    def item() -> Any:
+        nonlocal pos
+        flags = integer()
+        kind, levels = flags & 0xFF, flags >> 12
+        if kind == 254:  # NILVALUE_SXP
+            return None
+        if kind == 255:  # REFSXP: index into earlier symbols
+            return refs[(flags >> 8) - 1]
+        if kind == 1:  # SYMSXP
+            refs.append(item())
+            return refs[-1]
+        if kind == 9:  # CHARSXP
+            n = integer()
+            if n == -1:
+                return None  # NA_character_
+            raw = data[pos : pos + n]
+            pos += n
+            return raw.decode("latin-1" if levels & 4 else "utf-8")
+        if kind == 2:  # LISTSXP (pairlist: attributes)
+            if flags & (1 << 9):
+                item()  # attributes of the pairlist cell itself: unused
+            tag = item() if flags & (1 << 10) else None
+            out = {tag: item()}
+            return {**out, **(item() or {})}
+        if kind in (10, 13, 14, 16, 19):  # LGL, INT, REAL, STR, VEC
+            n = integer()
+            if kind in (10, 13):
+                value: list[Any] = list(struct.unpack_from(f">{n}i", data, pos))
+                pos += 4 * n
+            elif kind == 14:
+                value = list(struct.unpack_from(f">{n}d", data, pos))
+                pos += 8 * n
+            else:
+                value = [item() for _ in range(n)]
+            attrs = item() if flags & (1 << 9) else None
+            if attrs and isinstance(attrs.get("names"), list) and len(attrs["names"]) == n:
+                return dict(zip(attrs["names"], value))
+            return value
+        raise ValueError(f"unsupported R object type {kind} in serialization stream")
+
+    version = integer()
+    integer(), integer()  # writer R version, minimal reader R version
+    if version == 3:  # followed by the writer's native-encoding name
+        n = integer()
+        pos += n
+    return item()
