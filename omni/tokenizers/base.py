@@ -105,7 +105,7 @@ class TypeEmbedding(nn.Module):
         self.weight = nn.Parameter(torch.zeros(d_model))
 
     def forward(self, x: Tensor) -> Tensor:
-        return x + self.weight
+        return x + self.weight.to(x.dtype)  # keep autocast dtype (bf16) rather than promoting to fp32
 
 
 def register_tokenizer(name: str | None = None) -> Callable[[T], T]:

@@ -1,0 +1,128 @@
+"""ViT-B/16 training/inference throughput: omni vs timm vs torchvision, side by side in one process.
+
+  python benchmarks/vit_throughput.py [--batch 256] [--steps 15] [--only omni,timm,torchvision]
+
+Random data, 224px, 1000 classes, bf16 autocast, fused AdamW, step = forward + backward + optimizer;
+median step time after warm-up. MFU against a measured bf16 matmul peak (8192^3 GEMM).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from omni.tokenizers.image import ImageTokenizer, grid_positions, patchify
+from omni.trunk import Trunk, preset
+
+VIT_B16_GFLOP_FWD = 35.1  # per 224px image (research/anchors.md); training = 3x
+
+
+class OmniViT(nn.Module):
+    """Image tokenizer embedder -> shared trunk -> mean-pool head (uniform-batch fast path)."""
+
+    def __init__(self, n_classes: int = 1000, size: str = "B", patch: int = 16, image: int = 224) -> None:
+        super().__init__()
+        self.patch = patch
+        cfg = preset(size, positions="learned", max_positions=image // patch)
+        self.embed = ImageTokenizer(patch_size=patch, channels=3).embedder(cfg.d_model)
+        self.trunk = Trunk(cfg)
+        self.register_buffer("positions", grid_positions(image // patch, image // patch)[None], persistent=False)
+        self.head_norm = nn.LayerNorm(cfg.d_model)
+        self.head = nn.Linear(cfg.d_model, n_classes)
+
+    def forward(self, images: Tensor) -> Tensor:
+        x = self.embed(patchify(images, self.patch))  # (B, n, d)
+        x = self.trunk(x, self.positions.expand(x.shape[0], -1, -1), mask=None)
+        return self.head(self.head_norm(x.mean(1)))
+
+
+def build(name: str) -> nn.Module:
+    if name == "omni":
+        return OmniViT()
+    if name == "timm":
+        import timm
+
+        return timm.create_model("vit_base_patch16_224", num_classes=1000)
+    if name == "torchvision":
+        import torchvision
+
+        return torchvision.models.vit_b_16(num_classes=1000)
+    raise ValueError(name)
+
+
+def matmul_peak() -> float:
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(20):
+        a @ b
+    torch.cuda.synchronize()
+    return 2 * 8192**3 * 20 / (time.perf_counter() - t) / 1e12
+
+
+def bench(name: str, compile: bool, batch: int, steps: int) -> tuple[float, float]:
+    torch.manual_seed(0)
+    model = build(name).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    fwd = torch.compile(model) if compile else model
+    x = torch.randn(batch, 3, 224, 224, device="cuda")
+    y = torch.randint(0, 1000, (batch,), device="cuda")
+
+    def train_step():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = F.cross_entropy(fwd(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    @torch.no_grad()
+    def infer_step():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            fwd(x)
+
+    out = []
+    for step in (train_step, infer_step):
+        for _ in range(3):
+            step()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(steps):
+            t = time.perf_counter()
+            step()
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t)
+        out.append(batch / statistics.median(times))
+    del model, opt, fwd
+    torch.cuda.empty_cache()
+    torch._dynamo.reset()
+    return out[0], out[1]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--steps", type=int, default=15)
+    ap.add_argument("--only", default="omni,timm,torchvision")
+    ap.add_argument("--modes", default="eager,compile")
+    args = ap.parse_args()
+    torch.backends.cuda.matmul.allow_tf32 = True
+    peak = matmul_peak()
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, measured bf16 matmul peak {peak:.0f} TFLOP/s")
+    print("| model | mode | train img/s | MFU | inference img/s |\n|---|---|---|---|---|")
+    for name in args.only.split(","):
+        for mode in args.modes.split(","):
+            train, infer = bench(name, mode == "compile", args.batch, args.steps)
+            mfu = train * 3 * VIT_B16_GFLOP_FWD * 1e9 / (peak * 1e12)
+            print(f"| {name} | {mode} | {train:,.0f} | {mfu:.1%} | {infer:,.0f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,41 @@
+"""The `omni` command line: dataset builders, tokenizer fitting, inference entry points."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Sequence
+
+
+def _list_tokenizers(args: argparse.Namespace) -> int:
+    from omni.tokenizers import available_tokenizers, get_tokenizer
+
+    for name in available_tokenizers():
+        klass = get_tokenizer(name)
+        doc = (klass.__doc__ or "").strip().splitlines()
+        print(f"{name:12s} {klass.__module__}.{klass.__qualname__}  {doc[0] if doc else ''}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="omni", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("tokenizers", help="list registered tokenizers (built-in and plug-in)")
+    p.set_defaults(func=_list_tokenizers)
+    try:
+        from omni.data.cli import add_data_commands, add_tokenizer_commands
+    except ImportError:  # data extras are part of the base install; this only guards partial checkouts
+        pass
+    else:
+        add_data_commands(sub)
+        add_tokenizer_commands(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
