@@ -1,0 +1,159 @@
+"""Image classification on the shared trunk: the model, batched augmentation and prediction.
+
+ImageClassifier = image tokenizer's patch embedder -> Trunk (bidirectional) -> pooled head. It takes
+uniform batches (B, C, H, W) on the fast path (normalise + patchify inside the model, compile
+friendly) and tokenizer Segments of any image size on the prediction path; both give the same numbers.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from omni.export import load_pretrained, load_tokenizers
+from omni.heads import ClassificationHead
+from omni.tokenizers.image import ImageTokenizer, grid_positions, patchify
+from omni.trunk import Trunk, TrunkConfig
+
+
+class ImageClassifier(nn.Module):
+    def __init__(self, image: ImageTokenizer, trunk: TrunkConfig, n_classes: int, pool: str = "mean") -> None:
+        super().__init__()
+        if image.cls and pool != "cls":
+            raise ValueError("an image tokenizer with cls=True needs pool='cls'")
+        self.patch_size, self.channels = image.patch_size, image.channels
+        self.register_buffer("mean", torch.tensor(image.mean).view(1, -1, 1, 1), persistent=False)
+        self.register_buffer("std", torch.tensor(image.std).view(1, -1, 1, 1), persistent=False)
+        self.embed = image.embedder(trunk.d_model)
+        self.trunk = Trunk(trunk)
+        self.head = ClassificationHead(trunk.d_model, n_classes, pool=pool)
+
+    def forward(self, images: Tensor) -> Tensor:
+        """Uniform batch (B, C, H, W), uint8 or float in [0, 1], H and W multiples of the patch -> logits."""
+        x = images.float() / 255.0 if images.dtype == torch.uint8 else images.float()
+        x = (x - self.mean) / self.std
+        tokens = patchify(x, self.patch_size)  # (B, n, p*p*C)
+        gh, gw = images.shape[-2] // self.patch_size, images.shape[-1] // self.patch_size
+        positions = grid_positions(gh, gw, device=images.device).expand(images.shape[0], -1, -1)
+        return self.forward_tokens(tokens, positions)
+
+    def forward_tokens(self, tokens: Tensor, positions: Tensor) -> Tensor:
+        """Tokens (B, n, F) as ImageTokenizer.encode makes them, positions (B, n, 2) -> logits (B, classes)."""
+        hidden = self.trunk(self.embed(tokens), positions, mask=None)  # (B, n, d)
+        pooled = hidden[:, 0] if self.head.pool == "cls" else hidden.mean(1)
+        return self.head.proj(self.head.norm(pooled))
+
+
+def build_image_classifier(config: dict[str, Any], tokenizers: dict[str, Any]) -> ImageClassifier:
+    """Export builder (config.json "builder": "omni.vision:build_image_classifier")."""
+    return ImageClassifier(tokenizers["image"], TrunkConfig(**config["trunk"]), config["n_classes"],
+                           pool=config.get("pool", "mean"))
+
+
+# ----------------------------------------------------------------------------------------------------
+# Batched augmentation on the device. torchvision v2 transforms draw ONE set of random parameters per
+# call, so on a (B, C, H, W) batch every image would get the same crop; these ops draw per image.
+
+
+class BatchAugment(nn.Module):
+    """Per-image random translation (pad + crop), horizontal flip and random erasing, vectorised."""
+
+    def __init__(self, pad: int = 2, flip: bool = True, erase_prob: float = 0.25,
+                 erase_scale: tuple[float, float] = (0.02, 0.2)) -> None:
+        super().__init__()
+        self.pad, self.flip, self.erase_prob, self.erase_scale = pad, flip, erase_prob, erase_scale
+
+    def forward(self, x: Tensor, generator: torch.Generator | None = None) -> Tensor:
+        """x (B, C, H, W) float -> augmented copy (same shape and dtype)."""
+        B, C, H, W = x.shape
+        dev = x.device
+
+        def rand(*shape: int) -> Tensor:
+            return torch.rand(*shape, device=dev, generator=generator)
+
+        if self.pad:
+            p = self.pad
+            padded = F.pad(x, (p, p, p, p))
+            dy = (rand(B) * (2 * p + 1)).long()
+            dx = (rand(B) * (2 * p + 1)).long()
+            rows = (dy[:, None] + torch.arange(H, device=dev))[:, None, :, None].expand(B, C, H, W + 2 * p)
+            x = padded.gather(2, rows)
+            cols = (dx[:, None] + torch.arange(W, device=dev))[:, None, None, :].expand(B, C, H, W)
+            x = x.gather(3, cols)
+        if self.flip:
+            x = torch.where((rand(B) < 0.5)[:, None, None, None], x.flip(-1), x)
+        if self.erase_prob > 0:
+            lo, hi = self.erase_scale
+            area = (lo + (hi - lo) * rand(B)) * H * W
+            aspect = torch.exp((rand(B) * 2 - 1) * math.log(3.0))
+            eh = (area * aspect).sqrt().clamp(1, H)
+            ew = (area / aspect).sqrt().clamp(1, W)
+            y0 = rand(B) * (H - eh + 1)
+            x0 = rand(B) * (W - ew + 1)
+            ys = torch.arange(H, device=dev)[None, :]
+            xs = torch.arange(W, device=dev)[None, :]
+            inside = (((ys >= y0[:, None].floor()) & (ys < (y0 + eh)[:, None].floor()))[:, :, None]
+                      & ((xs >= x0[:, None].floor()) & (xs < (x0 + ew)[:, None].floor()))[:, None, :])
+            erase = inside & (rand(B) < self.erase_prob)[:, None, None]
+            x = torch.where(erase[:, None], torch.rand(x.shape, device=dev, generator=generator).to(x.dtype), x)
+        return x
+
+
+def mixup_cutmix(images: Tensor, labels: Tensor, n_classes: int, alpha: float, cutmix_alpha: float,
+                 smoothing: float, generator: torch.Generator | None = None) -> tuple[Tensor, Tensor]:
+    """Soft targets (B, classes) with label smoothing; mixes the batch with its flip (MixUp or CutMix,
+    chosen per batch) when alpha / cutmix_alpha > 0."""
+    target = F.one_hot(labels, n_classes).float() * (1 - smoothing) + smoothing / n_classes
+    use = [a for a in (alpha, cutmix_alpha) if a > 0]
+    if not use:
+        return images, target
+    pick = int(torch.randint(len(use), (1,), generator=generator)) if len(use) > 1 else 0
+    a = use[pick]
+    lam = float(torch.distributions.Beta(a, a).sample())
+    flipped, flipped_target = images.flip(0), target.flip(0)
+    if pick == 0 and alpha > 0:  # MixUp
+        return lam * images + (1 - lam) * flipped, lam * target + (1 - lam) * flipped_target
+    H, W = images.shape[-2:]  # CutMix: paste a box from the partner image
+    h, w = int(H * math.sqrt(1 - lam)), int(W * math.sqrt(1 - lam))
+    y, x = int(torch.randint(H - h + 1, (1,))), int(torch.randint(W - w + 1, (1,)))
+    out = images.clone()
+    out[..., y:y + h, x:x + w] = flipped[..., y:y + h, x:x + w]
+    lam = 1 - h * w / (H * W)
+    return out, lam * target + (1 - lam) * flipped_target
+
+
+# ----------------------------------------------------------------------------------------------------
+# Prediction (omni predict)
+
+
+@torch.no_grad()
+def predict_files(checkpoint: str | Path, files: Sequence[str | Path], top_k: int = 5,
+                  device: str | None = None) -> list[list[tuple[str, float]]]:
+    """Top-k (class name, probability) for each image file of any size, mode and format."""
+    model = load_pretrained(checkpoint)
+    tokenizer: ImageTokenizer = load_tokenizers(checkpoint)["image"]
+    from omni.export import load_config
+
+    names = load_config(checkpoint).get("class_names") or [str(i) for i in range(model.head.proj.out_features)]
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    model.to(device).eval()
+    results = []
+    for f in files:
+        path = Path(f)
+        if not path.is_file():
+            raise FileNotFoundError(f"{path}: no such image file")
+        try:
+            seg = tokenizer.encode(path.read_bytes(), key=str(path))
+        except (ValueError, TypeError) as exc:
+            raise ValueError(f"{path}: cannot read as an image ({exc})") from exc
+        logits = model.forward_tokens(seg.tokens[None].to(device), seg.positions_2d[None].to(device))
+        probs = logits.float().softmax(-1)[0]
+        k = min(top_k, probs.numel())
+        top = probs.topk(k)
+        results.append([(names[i], float(p)) for p, i in zip(top.values.tolist(), top.indices.tolist())])
+    return results

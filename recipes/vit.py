@@ -1,0 +1,232 @@
+"""ViT on the shared trunk: image tokenizer (patches) -> trunk -> classification head.
+
+    python recipes/vit.py                              # Fashion-MNIST (built if missing), preset for the device
+    python recipes/vit.py --preset tiny                # CPU smoke run
+    python recipes/vit.py --preset B/16 --data shards/imagenet --set epochs=90
+    accelerate launch --num_processes 8 recipes/vit.py --preset B/16 --data ...
+
+--data takes a dataset directory written by `omni data fashion-mnist` or `omni data images`
+(webdataset shards + manifest.json with class names). --set key=value overrides any config entry.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from omni.data.memory import TensorLoader, materialise
+from omni.data.reader import ShardLoader
+from omni.data.shards import read_manifest
+from omni.tokenizers.image import ImageTokenizer
+from omni.train import TrainConfig, Trainer, unwrap
+from omni.trunk import preset
+from omni.vision import BatchAugment, ImageClassifier, mixup_cutmix
+
+# ---------------------------------------------------------------------------------------------------
+# Config. Every entry can be overridden with --set key=value.
+
+COMMON = dict(
+    data="data/fashion-mnist", build="fashion-mnist", out="runs/vit", image_size=28, channels=1,
+    resize=None,  # None: images already image_size; int: resize shorter side, then crop image_size
+    in_memory=True,  # decode the whole split once into tensors (small datasets)
+    patch=4, trunk="S", trunk_overrides={}, positions="learned", pool="mean",
+    batch_size=256, epochs=10, steps=None, lr=1e-3, min_lr_ratio=0.01, warmup_epochs=1.0, weight_decay=0.05,
+    clip_norm=1.0, label_smoothing=0.1, mixup=0.0, cutmix=0.0, pad=2, flip=True, erase_prob=0.25,
+    workers=2, compile=False, eval_every_epochs=1.0, checkpoint_every_epochs=1.0, seed=0,
+)
+PRESETS: dict[str, dict] = {
+    # CPU smoke test: a few steps of a tiny trunk on a slice of the data.
+    "tiny": dict(trunk="tiny", patch=7, batch_size=64, steps=30, epochs=None, erase_prob=0.0, out="runs/vit-tiny",
+                 warmup_epochs=0.1, lr=3e-3,
+                 eval_every_epochs=0, checkpoint_every_epochs=0, limit_train=2048, limit_eval=512),
+    # Fashion-MNIST on a 2-core CPU in about ten minutes.
+    "fmnist-cpu": dict(trunk="tiny", trunk_overrides=dict(d_model=128, n_layers=4, n_heads=4), patch=7,
+                       batch_size=128, epochs=3, lr=2e-3, warmup_epochs=0.3, erase_prob=0.0, pad=1,
+                       eval_every_epochs=1.0),
+    # Fashion-MNIST on one H100: small ViT, patch 4 (7x7 tokens), strong augmentation, many epochs.
+    "fmnist": dict(trunk="S", trunk_overrides=dict(d_model=256, n_layers=8, n_heads=8), patch=4, batch_size=512,
+                   epochs=150, lr=2e-3, warmup_epochs=5, weight_decay=0.05, label_smoothing=0.1, mixup=0.0,
+                   cutmix=0.0, erase_prob=0.25, compile=True, eval_every_epochs=10, checkpoint_every_epochs=25),
+    # ImageNet-style 224px training from shards (omni data images), any number of classes.
+    "B/16": dict(data=None, build=None, image_size=224, channels=3, resize=256, in_memory=False, patch=16,
+                 trunk="B", batch_size=256, epochs=90, lr=1e-3, warmup_epochs=5, weight_decay=0.1, mixup=0.2,
+                 cutmix=1.0, pad=0, erase_prob=0.0, workers=12, compile=True, out="runs/vit-b16",
+                 eval_every_epochs=1.0, checkpoint_every_epochs=1.0),
+}
+
+
+def parse_args(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default=None, help=f"one of {', '.join(PRESETS)} (default: fmnist on CUDA, "
+                                                   "fmnist-cpu otherwise)")
+    ap.add_argument("--data", default=None, help="dataset directory (manifest.json + shards)")
+    ap.add_argument("--out", default=None, help="output directory (checkpoints, logs, final export)")
+    ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="override config entries")
+    args = ap.parse_args(argv)
+    name = args.preset or ("fmnist" if torch.cuda.is_available() else "fmnist-cpu")
+    if name not in PRESETS:
+        ap.error(f"unknown preset {name!r}; choose from {', '.join(PRESETS)}")
+    cfg = {**COMMON, "limit_train": None, "limit_eval": None, **PRESETS[name], "preset": name}
+    if args.data:
+        cfg.update(data=args.data, build=None)
+    if args.out:
+        cfg["out"] = args.out
+    for item in args.set:
+        key, sep, value = item.partition("=")
+        if not sep or key not in cfg:
+            ap.error(f"--set {item!r}: expected KEY=VALUE with KEY one of {', '.join(sorted(cfg))}")
+        try:
+            cfg[key] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            cfg[key] = value
+    if cfg["data"] is None:
+        ap.error(f"preset {name!r} needs --data DIR (shards from `omni data images`)")
+    return cfg
+
+
+# ---------------------------------------------------------------------------------------------------
+# Data
+
+
+class DecodeImage:
+    """Raw shard sample -> (uint8 (C, H, W), label). Picklable for data workers. Resizing / cropping
+    uses torchvision v2 transforms per image (random-resized crop + flip for training)."""
+
+    def __init__(self, channels: int, image_size: int, resize: int | None, train: bool) -> None:
+        self.channels, self.image_size, self.resize, self.train = channels, image_size, resize, train
+        self._transform = None
+
+    def transform(self):
+        if self._transform is None and self.resize is not None:
+            from torchvision.transforms import v2
+
+            self._transform = v2.Compose(
+                [v2.RandomResizedCrop(self.image_size, antialias=True), v2.RandomHorizontalFlip()] if self.train
+                else [v2.Resize(self.resize, antialias=True), v2.CenterCrop(self.image_size)])
+        return self._transform
+
+    def __call__(self, sample: dict):
+        from PIL import Image
+        import io
+
+        ext = next((e for e in ("png", "jpg", "jpeg", "webp", "bmp", "ppm", "pgm") if e in sample), None)
+        if ext is None or "cls" not in sample:
+            raise ValueError(f"sample {sample.get('__key__')!r} has no image or no .cls field")
+        image = Image.open(io.BytesIO(sample[ext]))
+        image = image.convert("L" if self.channels == 1 else "RGB")
+        x = torch.from_numpy(__import__("numpy").asarray(image).copy())
+        x = x[None] if x.dim() == 2 else x.permute(2, 0, 1)
+        if self.resize is not None:
+            x = self.transform()(x)
+        elif tuple(x.shape[-2:]) != (self.image_size, self.image_size):
+            raise ValueError(f"sample {sample.get('__key__')!r}: image {tuple(x.shape[-2:])}, expected "
+                             f"{self.image_size}x{self.image_size} (set resize=... to resize)")
+        return x.contiguous(), int(sample["cls"].decode().strip())
+
+
+def stack(items):
+    images, labels = zip(*items)
+    return torch.stack(images), torch.tensor(labels)
+
+
+def build_data(cfg: dict, rank: int, world: int, device: torch.device):
+    data = Path(cfg["data"])
+    if not (data / "manifest.json").is_file():
+        if cfg["build"] != "fashion-mnist":
+            raise FileNotFoundError(f"{data}/manifest.json not found: build the dataset with `omni data ...`")
+        if rank == 0:
+            from omni.data.builders_vision import build_fashion_mnist
+
+            print(f"building Fashion-MNIST shards in {data} ...", flush=True)
+            build_fashion_mnist(out=data)
+        if world > 1:
+            torch.distributed.barrier()
+    manifest = read_manifest(data / "manifest.json")
+    names = manifest.get("class_names") or manifest.get("classes")
+    loaders = {}
+    for split, train in (("train", True), ("test" if "test" in manifest["splits"] else "val", False)):
+        decode = DecodeImage(cfg["channels"], cfg["image_size"], cfg["resize"], train)
+        limit = cfg["limit_train" if train else "limit_eval"]
+        if cfg["in_memory"]:
+            once = ShardLoader(data, decode, stack, batch_size=1024, split=split, rank=0, world_size=1, shuffle=False,
+                               num_workers=cfg["workers"] if device.type == "cuda" else 0)
+            images, labels = materialise(once, device)
+            if limit:
+                images, labels = images[:limit], labels[:limit]
+            loaders[split] = TensorLoader([images, labels], cfg["batch_size"], shuffle=train, seed=cfg["seed"],
+                                          rank=rank, world_size=world, drop_last=train)
+        else:
+            loaders[split] = ShardLoader(data, decode, stack, cfg["batch_size"], split=split, rank=rank,
+                                         world_size=world, shuffle=train, seed=cfg["seed"],
+                                         num_workers=cfg["workers"], drop_last=train)
+    train_loader, eval_loader = loaders.values()
+    return train_loader, eval_loader, names
+
+
+# ---------------------------------------------------------------------------------------------------
+
+
+def main(argv=None) -> dict:
+    cfg = parse_args(argv)
+    from accelerate import PartialState
+
+    state = PartialState()
+    train_data, eval_data, class_names = build_data(cfg, state.process_index, state.num_processes, state.device)
+    n_classes = len(class_names)
+    steps_per_epoch = len(train_data)
+    steps = cfg["steps"] or math.ceil(cfg["epochs"] * steps_per_epoch)
+    every = lambda epochs: max(1, round(epochs * steps_per_epoch)) if epochs else 0  # noqa: E731
+
+    image = ImageTokenizer(patch_size=cfg["patch"], channels=cfg["channels"],
+                           image_size=cfg["image_size"], policy="resize")
+    trunk = preset(cfg["trunk"], positions=cfg["positions"], max_positions=cfg["image_size"] // cfg["patch"],
+                   **cfg["trunk_overrides"])
+    torch.manual_seed(cfg["seed"])
+    model = ImageClassifier(image, trunk, n_classes, pool=cfg["pool"])
+    augment = BatchAugment(pad=cfg["pad"], flip=cfg["flip"], erase_prob=cfg["erase_prob"])
+
+    def loss_fn(model, batch):
+        images, labels = batch
+        x = augment(images.float() / 255.0)
+        x, target = mixup_cutmix(x, labels, n_classes, cfg["mixup"], cfg["cutmix"], cfg["label_smoothing"])
+        logits = model(x)
+        loss = F.cross_entropy(logits.float(), target)
+        return loss, {"accuracy": (logits.argmax(-1) == labels).float().mean()}
+
+    def eval_fn(model, batch):
+        images, labels = batch
+        logits = model(images)
+        return {"accuracy": (logits.argmax(-1) == labels).float(),
+                "loss": F.cross_entropy(logits.float(), labels, reduction="none")}
+
+    config = TrainConfig(
+        output_dir=cfg["out"], steps=steps, lr=cfg["lr"], min_lr_ratio=cfg["min_lr_ratio"],
+        warmup_steps=every(cfg["warmup_epochs"]), weight_decay=cfg["weight_decay"], clip_norm=cfg["clip_norm"],
+        compile=cfg["compile"], eval_every=every(cfg["eval_every_epochs"]),
+        checkpoint_every=every(cfg["checkpoint_every_epochs"]), seed=cfg["seed"], run_name=f"vit-{cfg['preset']}",
+    )
+    export = {"builder": "omni.vision:build_image_classifier", "trunk": trunk.to_dict(), "n_classes": n_classes,
+              "pool": cfg["pool"], "class_names": list(class_names)}
+    trainer = Trainer(model, loss_fn, train_data, config, eval_data=eval_data, eval_fn=eval_fn,
+                      hparams=cfg, export_config=export, export_tokenizers={"image": image})
+    if state.is_main_process:
+        n_params = sum(p.numel() for p in unwrap(trainer.model).parameters())
+        print(f"ViT preset {cfg['preset']}: {n_params / 1e6:.2f}M parameters, {steps} steps "
+              f"({steps_per_epoch} per epoch), {trainer.accelerator.device}", flush=True)
+    start = time.time()
+    metrics = trainer.fit()
+    if state.is_main_process:
+        print(f"done in {time.time() - start:.0f} s: test accuracy {metrics.get('eval/accuracy', float('nan')):.4f} "
+              f"(loss {metrics.get('eval/loss', float('nan')):.4f}); model exported to {trainer.export_dir}", flush=True)
+    return metrics
+
+
+if __name__ == "__main__":
+    sys.exit(0 if main() is not None else 1)
