@@ -68,11 +68,16 @@ def matmul_peak() -> float:
     return 2 * 8192**3 * 20 / (time.perf_counter() - t) / 1e12
 
 
-def bench(name: str, compile: bool, batch: int, steps: int) -> tuple[float, float]:
+def bench(name: str, mode: str, batch: int, steps: int) -> tuple[float, float]:
     torch.manual_seed(0)
     model = build(name).cuda()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-    fwd = torch.compile(model) if compile else model
+    if mode == "eager":
+        fwd = model
+    elif mode == "compile":
+        fwd = torch.compile(model)
+    else:  # an inductor mode name, e.g. max-autotune-no-cudagraphs
+        fwd = torch.compile(model, mode=mode)
     x = torch.randn(batch, 3, 224, 224, device="cuda")
     y = torch.randint(0, 1000, (batch,), device="cuda")
 
@@ -112,16 +117,23 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=15)
     ap.add_argument("--only", default="omni,timm,torchvision")
     ap.add_argument("--modes", default="eager,compile")
+    ap.add_argument("--sdpa", default="default", help="default, or a priority list e.g. cudnn,flash,efficient")
     args = ap.parse_args()
+    if args.sdpa != "default":
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        names = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
+                 "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
+        sdpa_kernel([names[n] for n in args.sdpa.split(",")], set_priority=True).__enter__()
     torch.backends.cuda.matmul.allow_tf32 = True
     peak = matmul_peak()
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, measured bf16 matmul peak {peak:.0f} TFLOP/s")
     print("| model | mode | train img/s | MFU | inference img/s |\n|---|---|---|---|---|")
     for name in args.only.split(","):
         for mode in args.modes.split(","):
-            train, infer = bench(name, mode == "compile", args.batch, args.steps)
+            train, infer = bench(name, mode, args.batch, args.steps)
             mfu = train * 3 * VIT_B16_GFLOP_FWD * 1e9 / (peak * 1e12)
-            print(f"| {name} | {mode} | {train:,.0f} | {mfu:.1%} | {infer:,.0f} |", flush=True)
+            print(f"| {name} | {mode} (sdpa {args.sdpa}) | {train:,.0f} | {mfu:.1%} | {infer:,.0f} |", flush=True)
 
 
 if __name__ == "__main__":
