@@ -41,13 +41,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda when available)")
     p.add_argument("images", nargs="+", help="image files of any size, mode and format (PNG, JPEG, ...)")
     p.set_defaults(func=_predict)
-    try:
-        from omni.data.cli import add_data_commands, add_tokenizer_commands
-    except ImportError:  # data extras are part of the base install; this only guards partial checkouts
-        pass
-    else:
-        add_data_commands(sub)
-        add_tokenizer_commands(sub)
+    from omni.data.cli import add_data_commands, add_tokenizer_commands
+
+    add_data_commands(sub)
+    add_tokenizer_commands(sub)
     return parser
 
 

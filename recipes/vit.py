@@ -39,7 +39,7 @@ COMMON = dict(
     patch=4, trunk="S", trunk_overrides={}, positions="learned", pool="mean",
     batch_size=256, epochs=10, steps=None, lr=1e-3, min_lr_ratio=0.01, warmup_epochs=1.0, weight_decay=0.05,
     clip_norm=1.0, label_smoothing=0.1, mixup=0.0, cutmix=0.0, pad=2, flip=True, erase_prob=0.25,
-    workers=2, compile=False, eval_every_epochs=1.0, checkpoint_every_epochs=1.0, seed=0,
+    workers=2, compile=False, eval_every_epochs=1.0, checkpoint_every_epochs=1.0, seed=0, progress=True,
 )
 PRESETS: dict[str, dict] = {
     # CPU smoke test: a few steps of a tiny trunk on a slice of the data.
@@ -211,6 +211,7 @@ def main(argv=None) -> dict:
         warmup_steps=every(cfg["warmup_epochs"]), weight_decay=cfg["weight_decay"], clip_norm=cfg["clip_norm"],
         compile=cfg["compile"], eval_every=every(cfg["eval_every_epochs"]),
         checkpoint_every=every(cfg["checkpoint_every_epochs"]), seed=cfg["seed"], run_name=f"vit-{cfg['preset']}",
+        progress=cfg["progress"],
     )
     export = {"builder": "omni.vision:build_image_classifier", "trunk": trunk.to_dict(), "n_classes": n_classes,
               "pool": cfg["pool"], "class_names": list(class_names)}

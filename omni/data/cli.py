@@ -1,0 +1,294 @@
+"""Command line of the dataset builders: ``omni data BUILDER ...`` and ``omni tokenizer fit ...``.
+
+``add_data_commands(subparsers)`` / ``add_tokenizer_commands(subparsers)`` attach the commands to
+an argparse sub-parser group (the ``omni`` console script does that); ``python -m omni.data.cli``
+runs them stand-alone. Each command sets ``func(args) -> int`` (exit status); builder errors
+(bad input, missing data) print one ``error:`` line and return 2 instead of a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any, Callable, Sequence
+
+from omni.data.shards import DatasetError
+
+
+# -- argument types ---------------------------------------------------------------------------------
+def _positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
+    return v
+
+
+def _count(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {v}")
+    return v
+
+
+def _fraction(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a fraction in [0, 1), got {text!r}") from None
+    if not 0.0 <= v < 1.0:
+        raise argparse.ArgumentTypeError(f"expected a fraction in [0, 1), got {v}")
+    return v
+
+
+def _csv(text: str) -> list[str]:
+    return [t.strip() for t in text.split(",")]
+
+
+def _range(name: str, lo: int, hi: int) -> Callable[[str], tuple[int, int]]:
+    def parse(text: str) -> tuple[int, int]:
+        from omni.data.speech import parse_range
+
+        try:
+            return parse_range(text, name, lo, hi)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    return parse
+
+
+def _snrs(text: str) -> list[float | None]:
+    from omni.data.speech import parse_snrs
+
+    try:
+        return parse_snrs(_csv(text))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _common(p: argparse.ArgumentParser, shard_size: int) -> None:
+    p.add_argument("--out", required=True, help="dataset folder to write (shards + manifest.json)")
+    p.add_argument("--shard-size", type=_positive_int, default=shard_size, help=f"samples per shard (default {shard_size})")
+    p.add_argument("--force", action="store_true", help="rebuild even when the manifest says up to date")
+    p.add_argument("--quiet", "-q", action="store_true", help="no progress bars or messages")
+
+
+def _runner(command: str, build: Callable[[argparse.Namespace], Any]) -> Callable[[argparse.Namespace], int]:
+    def run(args: argparse.Namespace) -> int:
+        try:
+            build(args)
+        except (ValueError, OSError, ImportError, DatasetError) as exc:
+            print(f"omni {command}: error: {exc}", file=sys.stderr)
+            return 2
+        return 0
+
+    return run
+
+
+def _common_kwargs(a: argparse.Namespace) -> dict[str, Any]:
+    return {"shard_size": a.shard_size, "quiet": a.quiet, "force": a.force}
+
+
+# -- the builders -----------------------------------------------------------------------------------
+def _fashion_mnist(a: argparse.Namespace) -> Any:
+    from omni.data.builders_vision import build_fashion_mnist
+
+    return build_fashion_mnist(a.out, source=a.source, format=a.format, download=a.download, **_common_kwargs(a))
+
+
+def _images(a: argparse.Namespace) -> Any:
+    from omni.data.builders_vision import build_images
+
+    return build_images(a.out, src=a.src, val_fraction=a.val_fraction, seed=a.seed, skip_bad=a.skip_bad, **_common_kwargs(a))
+
+
+def _speech_synth(a: argparse.Namespace) -> Any:
+    from omni.data.builders_speech import build_speech_synth
+
+    variants = ["" if v.lower() in ("", "none", "default") else v for v in a.variants]
+    return build_speech_synth(
+        a.out, train=a.train, test=a.test, test_sentences=a.test_sentences, per_sentence=a.per_sentence,
+        text=a.text, voices=a.voices, variants=variants, rates=a.rates, pitches=a.pitches, snrs=a.noise_snr,
+        noise_kinds=a.noise_kinds, min_words=a.min_words, max_words=a.max_words, seed=a.seed, workers=a.workers,
+        **_common_kwargs(a),
+    )  # fmt: skip
+
+
+def _librispeech(a: argparse.Namespace) -> Any:
+    from omni.data.builders_speech import build_librispeech
+
+    return build_librispeech(a.out, src=a.src, split=a.split, seed=a.seed, **_common_kwargs(a))
+
+
+def _gym(a: argparse.Namespace) -> Any:
+    from omni.data.builders_rl import build_gym
+
+    return build_gym(
+        a.out, env=a.env, episodes=a.episodes, mix=a.mix, seed=a.seed, val_fraction=a.val_fraction,
+        reference_episodes=a.reference_episodes, minari=a.minari, minari_id=a.minari_id,
+        minari_root_dir=a.minari_root, **_common_kwargs(a),
+    )  # fmt: skip
+
+
+def _minari(a: argparse.Namespace) -> Any:
+    from omni.data.builders_rl import build_minari
+
+    return build_minari(a.out, dataset_id=a.id, root=a.root, val_fraction=a.val_fraction, seed=a.seed, **_common_kwargs(a))
+
+
+def _text(a: argparse.Namespace) -> Any:
+    from omni.data.builders_text import build_text
+
+    return build_text(
+        a.out, src=a.src, max_chars=a.max_chars, mode=a.mode, val_fraction=a.val_fraction, seed=a.seed,
+        **_common_kwargs(a),
+    )  # fmt: skip
+
+
+def _verify(a: argparse.Namespace) -> Any:
+    from omni.data.shards import verify_dataset
+
+    manifest = verify_dataset(a.dir, check_sha256=not a.sizes_only)
+    for name, split in manifest["splits"].items():
+        print(f"{name}: {split['count']} samples, {len(split['shards'])} shard(s), {split['bytes']} bytes: ok")
+    return manifest
+
+
+def add_data_commands(subparsers: Any) -> argparse.ArgumentParser:
+    """Add ``data`` with one sub-command per builder to an argparse sub-parser group."""
+    from omni.data.builders_speech import DEFAULT_SNRS, DEFAULT_VARIANTS, DEFAULT_VOICES
+
+    data = subparsers.add_parser(
+        "data",
+        help="build datasets as webdataset tar shards",
+        description="Build a dataset as webdataset tar shards <out>/<split>-NNNNNN.tar plus <out>/manifest.json. "
+        "Re-running with the same arguments does nothing when the build is complete and unchanged.",
+    )
+    sub = data.add_subparsers(dest="builder", required=True, metavar="BUILDER")
+
+    p = sub.add_parser("fashion-mnist", help="Fashion-MNIST (Debian dataset-fashion-mnist, --source, or download)")
+    _common(p, 5000)
+    p.add_argument("--source", help="folder with the IDX files (default: /usr/share/datasets/fashion-mnist)")
+    p.add_argument("--format", choices=("png", "raw"), default="png", help="png (default) or raw 784-byte .u8")
+    p.add_argument("--no-download", dest="download", action="store_false", help="fail instead of downloading")
+    p.set_defaults(func=_runner("data fashion-mnist", _fashion_mnist))
+
+    p = sub.add_parser("images", help="ImageFolder tree (class subfolders of JPEG/PNG) -> original bytes + label")
+    _common(p, 2000)
+    p.add_argument("--src", required=True, help="SRC/<class>/*.jpg, or SRC/train/<class>/... and SRC/val/<class>/...")
+    p.add_argument("--val-fraction", type=_fraction, default=0.1, help="seeded per-class holdout when SRC has no split folders")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--skip-bad", action="store_true", help="skip (with a warning) files that are not JPEG/PNG")
+    p.set_defaults(func=_runner("data images", _images))
+
+    p = sub.add_parser("speech-synth", help="speech synthesised with eSpeak NG from public-domain sentences")
+    _common(p, 2000)
+    p.add_argument("--train", type=_count, default=20000, help="train utterances (default 20000)")
+    p.add_argument("--test", type=_count, default=1000, help="test utterances (default 1000)")
+    p.add_argument("--test-sentences", type=_positive_int, help="sentences held out for test (default: --test)")
+    p.add_argument("--per-sentence", type=_positive_int, default=1, help="train renders per sentence, each with another voice")
+    p.add_argument("--text", nargs="+", help="text files (default: Austen's novels from r-cran-janeaustenr)")
+    p.add_argument("--voices", type=_csv, default=list(DEFAULT_VOICES), help=f"eSpeak NG voices (default {','.join(DEFAULT_VOICES)})")
+    p.add_argument("--variants", type=_csv, default=list(DEFAULT_VARIANTS),
+                   help="voice variants; 'none' = the plain voice (default none,m1,...,f5)")  # fmt: skip
+    p.add_argument("--rates", type=_range("--rates", 80, 450), default=(130, 210), help="words/minute MIN:MAX (default 130:210)")
+    p.add_argument("--pitches", type=_range("--pitches", 0, 100), default=(30, 70), help="pitch MIN:MAX in 0..100 (default 30:70)")
+    p.add_argument("--noise-snr", type=_snrs, default=_snrs(",".join(DEFAULT_SNRS)),
+                   help=f"SNRs in dB drawn per utterance, 'clean' = no noise (default {','.join(DEFAULT_SNRS)})")  # fmt: skip
+    p.add_argument("--noise-kinds", type=_csv, default=["white", "pink"], help="noise colours (default white,pink)")
+    p.add_argument("--min-words", type=_positive_int, default=3)
+    p.add_argument("--max-words", type=_positive_int, default=25)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--workers", type=_positive_int, help="processes (default: all cores)")
+    p.set_defaults(func=_runner("data speech-synth", _speech_synth))
+
+    p = sub.add_parser("librispeech", help="LibriSpeech-layout folder (speaker/chapter/*.flac + *.trans.txt)")
+    _common(p, 2000)
+    p.add_argument("--src", required=True, help="a subset folder (speaker/chapter/...) or a root of subsets")
+    p.add_argument("--split", default="train", help="split name when SRC is one subset (default train)")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=_runner("data librispeech", _librispeech))
+
+    p = sub.add_parser("gym", help="episodes of scripted behaviour policies in a Gymnasium env (+ a Minari copy)")
+    _common(p, 500)
+    p.add_argument("--env", default="CartPole-v1", help="Gymnasium env id (scripted policies: CartPole-v1, Pendulum-v1)")
+    p.add_argument("--episodes", type=_positive_int, default=1000)
+    p.add_argument("--mix", help="POLICY:WEIGHT,... over random, medium, expert, replay, reference "
+                   "(default random:0.1,replay:0.3,medium:0.3,expert:0.3)")  # fmt: skip
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--val-fraction", type=_fraction, default=0.0, help="seeded share of episodes in a val split")
+    p.add_argument("--reference-episodes", type=_count, default=10, help="episodes per reference score (random, expert)")
+    p.add_argument("--minari", action=argparse.BooleanOptionalAction, default=None,
+                   help="also write a Minari dataset (default: when minari is installed)")  # fmt: skip
+    p.add_argument("--minari-id", help="Minari dataset id (default omni/<out folder name>-v0)")
+    p.add_argument("--minari-root", help="Minari datasets folder (default: MINARI_DATASETS_PATH or ~/.minari/datasets)")
+    p.set_defaults(func=_runner("data gym", _gym))
+
+    p = sub.add_parser("minari", help="a local Minari dataset -> episode shards")
+    _common(p, 500)
+    p.add_argument("--id", required=True, help="Minari dataset id, e.g. omni/cartpole-v0")
+    p.add_argument("--root", help="Minari datasets folder (default: MINARI_DATASETS_PATH or ~/.minari/datasets)")
+    p.add_argument("--val-fraction", type=_fraction, default=0.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=_runner("data minari", _minari))
+
+    p = sub.add_parser("text", help="text files -> shards of .txt chunks")
+    _common(p, 5000)
+    p.add_argument("--src", nargs="+", help="files or folders (default: Austen's novels from r-cran-janeaustenr)")
+    p.add_argument("--max-chars", type=_positive_int, default=2000, help="most characters per chunk (default 2000)")
+    p.add_argument("--mode", choices=("paragraph", "line"), default="paragraph", help="units packed into chunks")
+    p.add_argument("--val-fraction", type=_fraction, default=0.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=_runner("data text", _text))
+
+    p = sub.add_parser("verify", help="check a dataset's shards against its manifest (sizes and sha256)")
+    p.add_argument("dir", help="dataset folder")
+    p.add_argument("--sizes-only", action="store_true", help="skip the sha256 check")
+    p.set_defaults(func=_runner("data verify", _verify))
+    return data
+
+
+def _fit(a: argparse.Namespace) -> Any:
+    from omni.data.builders_text import fit_tokenizer
+    from omni.tokenizers.text import AUSTEN_DIR
+
+    inputs = a.input or [AUSTEN_DIR]
+    path = fit_tokenizer(inputs, a.out, vocab_size=a.vocab_size, min_frequency=a.min_frequency)
+    print(f"wrote {path}")
+    return path
+
+
+def add_tokenizer_commands(subparsers: Any) -> argparse.ArgumentParser:
+    """Add ``tokenizer fit`` (byte-level BPE for omni.tokenizers.text.TextTokenizer)."""
+    tok = subparsers.add_parser("tokenizer", help="fit tokenizers", description="Fit tokenizers with state.")
+    sub = tok.add_subparsers(dest="tokenizer_command", required=True, metavar="COMMAND")
+    p = sub.add_parser("fit", help="fit the text BPE on files and save it (config.json + tokenizer.json)")
+    p.add_argument("--input", nargs="+", help="text files/folders, the janeaustenr folder, or omni text datasets "
+                   "(default: Austen's novels from r-cran-janeaustenr)")  # fmt: skip
+    p.add_argument("--vocab-size", type=_positive_int, default=8192, help="ids incl. special tokens (default 8192)")
+    p.add_argument("--min-frequency", type=_positive_int, default=2)
+    p.add_argument("--out", required=True, help="folder to save into, e.g. tokenizers/NAME")
+    p.set_defaults(func=_runner("tokenizer fit", _fit))
+    return tok
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m omni.data.cli", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_data_commands(sub)
+    add_tokenizer_commands(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
