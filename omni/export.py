@@ -1,0 +1,217 @@
+"""Final export for inference: model.safetensors + config.json (+ tokenizers/), and loading it back
+with no training code.
+
+    save_pretrained(model, "runs/vit/final", {"builder": "omni", "trunk": {...}, "heads": {...}},
+                    tokenizers={"image": image_tok})
+    model = load_pretrained("runs/vit/final")             # rebuilt by the "omni" builder, eval mode
+    toks = load_tokenizers("runs/vit/final")               # {"image": ImageTokenizer(...)}
+
+A directory holds:
+    config.json        {"omni_format": 1, "builder": NAME, "tokenizers": [modality, ...], ...model config}
+    model.safetensors  the weights (tied weights stored once; safetensors.torch.save_model)
+    tokenizers/<m>/    each tokenizer's ``Tokenizer.save`` output (config + fitted state)
+
+The builder rebuilds the module from (config, tokenizers) before the weights are loaded. It is named by
+``config["builder"]``: a name registered with ``@register_builder("name")`` (the built-in "omni" builds
+an OmniModel from trunk + head specs), or an import path "package.module:function" so a project's own
+model loads anywhere it is importable. Or pass ``build=`` explicitly.
+
+The whole directory is written next to its destination and renamed into place, so a crash never leaves
+a half-written export under the final name.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import torch
+from torch import nn
+
+FORMAT_VERSION = 1
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+TOKENIZERS_DIR = "tokenizers"
+
+Builder = Callable[[dict[str, Any], dict[str, Any]], nn.Module]  # (config, tokenizers) -> module
+_BUILDERS: dict[str, Builder] = {}
+
+
+def register_builder(name: str) -> Callable[[Builder], Builder]:
+    """Decorator: make ``fn(config, tokenizers) -> nn.Module`` loadable as ``config["builder"] = name``."""
+
+    def wrap(fn: Builder) -> Builder:
+        if name in _BUILDERS and _BUILDERS[name] is not fn:
+            raise ValueError(f"model builder {name!r} is already registered by {_BUILDERS[name].__qualname__}")
+        _BUILDERS[name] = fn
+        return fn
+
+    return wrap
+
+
+def get_builder(name: str) -> Builder:
+    """A registered builder, or the callable at import path "package.module:attr"."""
+    if name in _BUILDERS:
+        return _BUILDERS[name]
+    if ":" in name:
+        module, _, attr = name.partition(":")
+        try:
+            obj: Any = importlib.import_module(module)
+            for part in attr.split("."):
+                obj = getattr(obj, part)
+        except (ImportError, AttributeError) as exc:
+            raise KeyError(f"model builder {name!r} cannot be imported: {exc}") from exc
+        return obj
+    raise KeyError(f"unknown model builder {name!r}; registered: {', '.join(sorted(_BUILDERS)) or 'none'} "
+                   f"(or give an import path 'package.module:function')")
+
+
+def save_pretrained(model: nn.Module, directory: str | os.PathLike, config: Mapping[str, Any] | None = None, *,
+                    tokenizers: Mapping[str, Any] | None = None) -> Path:
+    """Write ``model``'s weights, ``config`` (JSON-serialisable; ``"builder"`` names how to rebuild it)
+    and optional tokenizers to ``directory``, atomically (write beside it, then rename)."""
+    from safetensors.torch import save_model
+
+    directory = Path(directory)
+    config = dict(config or {})
+    for reserved in ("omni_format", "tokenizers"):
+        if reserved in config:
+            raise ValueError(f"config key {reserved!r} is reserved for the export format")
+    payload = {"omni_format": FORMAT_VERSION, **config, "tokenizers": list(tokenizers or {})}
+    try:
+        text = json.dumps(payload, indent=2, sort_keys=True)
+    except TypeError as exc:
+        raise TypeError(f"export config must be JSON-serialisable: {exc}") from exc
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    tmp = directory.with_name(f".{directory.name}.tmp-{os.getpid()}-{time.monotonic_ns()}")
+    tmp.mkdir()
+    try:
+        save_model(model, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
+        for name, tok in (tokenizers or {}).items():
+            tok.save(tmp / TOKENIZERS_DIR / name)
+        with open(tmp / CONFIG_NAME, "w") as f:
+            f.write(text)
+        _fsync_tree(tmp)
+        if directory.exists():  # replace an earlier export: move it aside, swap, delete
+            old = directory.with_name(f".{directory.name}.old-{os.getpid()}-{time.monotonic_ns()}")
+            os.replace(directory, old)
+            os.replace(tmp, directory)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, directory)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return directory
+
+
+def load_config(directory: str | os.PathLike) -> dict[str, Any]:
+    path = Path(directory) / CONFIG_NAME
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found: not an omni export directory (see omni.export.save_pretrained)")
+    config = json.loads(path.read_text())
+    if config.get("omni_format", 0) > FORMAT_VERSION:
+        raise ValueError(f"{path} has export format {config['omni_format']}; this omni reads <= {FORMAT_VERSION}")
+    return config
+
+
+def load_tokenizers(directory: str | os.PathLike) -> dict[str, Any]:
+    """The tokenizers saved with the model, by name (empty if none)."""
+    config = load_config(directory)
+    names = config.get("tokenizers", [])
+    if not names:
+        return {}
+    import omni.tokenizers  # noqa: F401  (registers the built-in tokenizers)
+    from omni.tokenizers.base import Tokenizer
+
+    return {name: Tokenizer.load(Path(directory) / TOKENIZERS_DIR / name) for name in names}
+
+
+def load_pretrained(directory: str | os.PathLike, build: Builder | None = None, *,
+                    device: str | torch.device = "cpu", strict: bool = True) -> nn.Module:
+    """Rebuild the exported module and load its weights; returned in eval mode on ``device``."""
+    from safetensors.torch import load_model
+
+    directory = Path(directory)
+    config = load_config(directory)
+    if build is None:
+        if not config.get("builder"):
+            raise ValueError(f"{directory / CONFIG_NAME} names no 'builder'; pass build=fn(config, tokenizers)")
+        build = get_builder(config["builder"])
+    model = build(config, load_tokenizers(directory))
+    missing, unexpected = load_model(model, str(directory / WEIGHTS_NAME), strict=False)
+    if strict and (missing or unexpected):
+        raise RuntimeError(f"{directory / WEIGHTS_NAME} does not match the rebuilt model: missing {sorted(missing)}, "
+                           f"unexpected {sorted(unexpected)}")
+    return model.to(device).eval()
+
+
+def _fsync_tree(directory: Path) -> None:
+    for p in sorted(directory.rglob("*")):
+        if p.is_file():
+            fd = os.open(p, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# ----------------------------------------------------------------------------------------------------
+# The built-in builder: an OmniModel from tokenizers + trunk + heads
+
+
+HEAD_TYPES = ("classification", "lm", "action")
+
+
+@register_builder("omni")
+def build_omni_model(config: dict[str, Any], tokenizers: dict[str, Any]) -> nn.Module:
+    """OmniModel from ``config["trunk"]`` (TrunkConfig fields, or ``{"preset": name, **overrides}``) and
+    ``config["heads"]`` = {name: {"type": "classification" | "lm" | "action", **kwargs}}:
+        classification: n_classes, pool ("mean" | "cls")
+        lm:             vocab_size, tie_to (optional modality whose embedding table the head shares)
+        action:         n_outputs, discrete
+    ``d_model`` comes from the trunk."""
+    from omni.heads import ActionHead, ClassificationHead, LMHead
+    from omni.model import OmniModel
+    from omni.trunk import TrunkConfig, preset
+
+    trunk_spec = dict(config.get("trunk", {}))
+    trunk = preset(trunk_spec.pop("preset"), **trunk_spec) if "preset" in trunk_spec else TrunkConfig(**trunk_spec)
+    model = OmniModel(tokenizers, trunk)
+    d = trunk.d_model
+    for name, spec in config.get("heads", {}).items():
+        spec = dict(spec)
+        kind = spec.pop("type", None)
+        if kind == "classification":
+            head: nn.Module = ClassificationHead(d, **spec)
+        elif kind == "lm":
+            tie = spec.pop("tie_to", None)
+            table = None
+            if tie is not None:
+                if tie not in model.embedders:
+                    raise ValueError(f"LM head {name!r} ties to {tie!r}, which is not one of the model's "
+                                     f"modalities ({', '.join(model.embedders)})")
+                table = next((m for m in model.embedders[tie].modules() if isinstance(m, nn.Embedding)), None)
+                if table is None:
+                    raise ValueError(f"LM head {name!r} ties to {tie!r}, whose embedder has no nn.Embedding")
+            head = LMHead(d, tie_to=table, **spec)
+        elif kind == "action":
+            head = ActionHead(d, **spec)
+        else:
+            raise ValueError(f"head {name!r} has type {kind!r}; expected one of {', '.join(HEAD_TYPES)}")
+        model.heads[name] = head
+    return model
+
+
+__all__ = ["build_omni_model", "get_builder", "load_config", "load_pretrained", "load_tokenizers",
+           "register_builder", "save_pretrained"]

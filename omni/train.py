@@ -1,0 +1,867 @@
+"""The training loop: the one module that owns Accelerate.
+
+    trainer = Trainer(model, loss_fn, train_data, TrainConfig(output_dir="runs/vit", steps=10_000))
+    metrics = trainer.fit()      # resumes from output_dir/checkpoints, exports output_dir/final
+
+The same script runs as ``python recipes/x.py`` and ``accelerate launch --num_processes N recipes/x.py``
+(or ``torchrun``). Build the model after ``seed_everything(seed)`` so every run starts from the same init;
+under DDP rank 0's parameters are broadcast anyway.
+
+What it does, and the traps it avoids (docs/research/pitfalls.md):
+
+* Data. ``train_data`` is any re-iterable of batches. Objects that expose ``state_dict``/``set_epoch``
+  (omni's ShardLoader) are taken as already split per rank and are NOT handed to ``accelerator.prepare``
+  (pitfalls 1-3); a plain ``torch.utils.data.DataLoader`` over a map-style dataset is prepared
+  (sharded, with a sampler seeded by ``seed`` + epoch). ``None`` batches are skipped: a rank fetches
+  the next batch, so every rank still runs exactly ``grad_accum`` backward passes per step.
+* Steps. One *step* is one optimizer update of ``grad_accum`` micro-batches per rank. The loss of each
+  micro-batch is divided by ``grad_accum`` and DDP averages over ranks, so the gradient is the mean of
+  the per-micro-batch mean losses (== the global mean when micro-batches are the same size). The LR
+  scheduler steps exactly once per optimizer step (Accelerate's default would step it ``num_processes``
+  times per step: we prepare it with ``step_scheduler_with_optimizer=False``).
+* Non-finite loss. Every rank's per-micro-batch loss flags are summed across ranks before the
+  optimizer step; if any is NaN/inf, every rank raises ``NonFiniteLossError`` naming the step, the
+  rank, the batch position and the sample keys. Parameters, optimizer and checkpoints stay untouched.
+* Checkpoints. ``output_dir/checkpoints/step-000100/`` is written as ``.tmp-step-000100/`` (Accelerate
+  ``save_state``: model, optimizer, scheduler, grad scaler, per-rank RNG; plus our per-rank data position
+  and a ``COMPLETE`` marker written last, everything fsynced) and renamed into place by the main process.
+  A crash at any moment leaves the previous checkpoint intact; resume picks the newest directory with the
+  marker and ignores temp dirs. Old checkpoints are renamed away before deletion, so a half-deleted one
+  never looks like a checkpoint.
+* Exact resume. Model, optimizer, scheduler, RNG (python, numpy, torch, CUDA, per rank) and the data
+  position (the loader's own ``state_dict`` when it has one, else the batch count in the epoch, skipped
+  on resume) are restored; training N steps, stopping and resuming to 2N gives the same parameters as
+  2N steps straight (bitwise on CPU; on CUDA up to non-deterministic kernels, ~1e-9 in our check).
+  Calls into the training data run on their own checkpointed RNG stream and evaluation under a
+  saved-and-restored one, so neither shifts the training stream (dropout). Resume needs the same number
+  of processes (per-rank data positions); ``compile`` may change (checkpoints hold plain names).
+  Checkpoints assume a file system every rank sees (as Accelerate's ``save_state`` does).
+* Logging. TensorBoard through Accelerate trackers (``output_dir/logs/<run_name>``) with a flattened
+  config (nested dicts are rejected by TensorBoard's hparams, pitfall 7); tqdm on the main process.
+* Export. At the end the main process writes ``output_dir/final/`` (model.safetensors + config.json [+
+  tokenizers]) with ``omni.export.save_pretrained``; ``omni.export.load_pretrained`` rebuilds it for
+  inference with no training code.
+
+Weight decay rule (``default_param_groups``): decay every parameter with >= 2 dims (Linear / conv
+kernels) except embedding tables (``nn.Embedding`` weights: token, learned-position, timestep tables, and
+any LM head tied to them); never decay 1-D parameters (biases, norm scales, type embeddings, CLS tokens).
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import json
+import math
+import os
+import random
+import re
+import shutil
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator, Mapping
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from omni import export as _export
+
+CHECKPOINT_DIR = "checkpoints"
+EXPORT_DIR = "final"
+COMPLETE_MARKER = "COMPLETE"
+TRAINER_STATE = "trainer_state.json"
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+class NonFiniteLossError(RuntimeError):
+    """Loss (or gradient norm) became NaN/inf; raised on every rank before the optimizer step."""
+
+
+@dataclass
+class TrainConfig:
+    """Every field is a flat scalar so the config goes to TensorBoard's hparams as it is."""
+
+    output_dir: str = "runs/omni"
+    steps: int = 1000  # optimizer steps
+    lr: float = 1e-3  # peak learning rate
+    min_lr_ratio: float = 0.0  # cosine ends at lr * min_lr_ratio
+    warmup_steps: int = 0  # linear warmup from lr/warmup_steps to lr
+    weight_decay: float = 0.05  # on matrices only (module docstring)
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    grad_accum: int = 1  # micro-batches per optimizer step (per rank)
+    clip_norm: float = 1.0  # <= 0 disables clipping (the norm is still logged)
+    mixed_precision: str = "auto"  # auto | no | bf16 | fp16; auto = the launcher's bf16/fp16 if it asks for
+    # one, else bf16 on a CUDA GPU that has it, else no (CPU autocast is slow; force "bf16" if wanted)
+    compile: bool = False  # torch.compile the model (inductor)
+    find_unused_parameters: bool = False  # DDP: set when some batches leave parameters unused
+    eval_every: int = 0  # steps; 0 = only at the end (when eval data is given)
+    checkpoint_every: int = 0  # steps; 0 = no checkpoints
+    keep_checkpoints: int = 2  # newest complete checkpoints kept; <= 0 keeps all
+    log_every: int = 10
+    seed: int = 0  # torch/numpy/python seed (+ rank), and the prepared DataLoader's shuffle seed
+    progress: bool = True  # tqdm bar on the main process
+    report_to: str = "tensorboard"  # any Accelerate tracker name, or "none"
+    run_name: str = "omni"  # tracker run name: logs go to output_dir/logs/<run_name>
+    resume: bool = True  # continue from the newest complete checkpoint in output_dir/checkpoints
+    export: bool = True  # write output_dir/final at the end
+
+    def __post_init__(self) -> None:
+        if self.steps < 0:
+            raise ValueError(f"steps must be >= 0, got {self.steps}")
+        if self.grad_accum < 1:
+            raise ValueError(f"grad_accum must be >= 1, got {self.grad_accum}")
+        if self.warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if self.mixed_precision not in ("auto", "no", "bf16", "fp16"):
+            raise ValueError(f"mixed_precision must be auto, no, bf16 or fp16, got {self.mixed_precision!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Small pure helpers (tested on their own)
+
+
+def lr_multiplier(i: int, *, warmup: int, total: int, min_ratio: float) -> float:
+    """LR factor for the optimizer step with 0-based index ``i``: linear warmup ((i+1)/warmup), then a
+    cosine from 1 down towards ``min_ratio`` that reaches it one step after the last step (no step is
+    wasted at lr 0 on either end)."""
+    if i < warmup:
+        return (i + 1) / warmup
+    decay_steps = max(1, total - warmup)
+    progress = min(1.0, (i - warmup) / decay_steps)
+    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def default_param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """AdamW groups: decay >= 2-D weights except embedding tables; no decay for everything else."""
+    embedding_ids = {id(p) for m in model.modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag))
+                     for p in m.parameters(recurse=False)}
+    decay, no_decay = [], []
+    for _, p in model.named_parameters():  # named_parameters dedups tied parameters
+        if not p.requires_grad:
+            continue
+        (decay if p.ndim >= 2 and id(p) not in embedding_ids else no_decay).append(p)
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]
+
+
+def flatten_config(config: Mapping[str, Any], prefix: str = "") -> dict[str, int | float | str | bool]:
+    """Nested config -> flat {"a.b": scalar} that TensorBoard's hparams accepts (pitfall 7).
+    Lists/tuples/None/other objects become strings."""
+    flat: dict[str, int | float | str | bool] = {}
+    for k, v in config.items():
+        name = f"{prefix}{k}"
+        if isinstance(v, Mapping):
+            flat.update(flatten_config(v, prefix=f"{name}."))
+        elif isinstance(v, (bool, int, float, str)):
+            flat[name] = v
+        elif isinstance(v, Tensor) and v.numel() == 1:
+            flat[name] = v.item()
+        else:
+            flat[name] = str(v)
+    return flat
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """Strip DDP (``.module``) and torch.compile (``._orig_mod``) wrappers; for loss functions that
+    need a submodule (``unwrap(model).heads["cls"]``) of the model the Trainer hands them."""
+    while True:
+        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            model = model.module
+        elif hasattr(model, "_orig_mod") and isinstance(model._orig_mod, nn.Module):
+            model = model._orig_mod
+        else:
+            return model
+
+
+def seed_everything(seed: int) -> None:
+    """Seed python, numpy and torch (all devices): call before building the model."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def batch_keys(batch: Any) -> list[str] | None:
+    """Sample keys of a batch: PackedBatch.keys, batch["keys"] / batch["__key__"], or None."""
+    keys = getattr(batch, "keys", None)
+    if isinstance(keys, (list, tuple)):
+        return [str(k) for k in keys]
+    if isinstance(batch, Mapping):
+        for name in ("keys", "__key__", "key"):
+            if name in batch and isinstance(batch[name], (list, tuple)):
+                return [str(k) for k in batch[name]]
+    return None
+
+
+def list_checkpoints(output_dir: str | os.PathLike) -> list[tuple[int, Path]]:
+    """Complete checkpoints under output_dir/checkpoints, oldest first (temp/trash dirs ignored)."""
+    root = Path(output_dir) / CHECKPOINT_DIR
+    if not root.is_dir():
+        return []
+    found = []
+    for d in root.iterdir():
+        m = _STEP_DIR.match(d.name)
+        if m and d.is_dir() and (d / COMPLETE_MARKER).is_file():
+            found.append((int(m.group(1)), d))
+    return sorted(found)
+
+
+def latest_checkpoint(output_dir: str | os.PathLike) -> Path | None:
+    ckpts = list_checkpoints(output_dir)
+    return ckpts[-1][1] if ckpts else None
+
+
+def _count_samples(batch: Any) -> int:
+    if hasattr(batch, "num_documents"):
+        return int(batch.num_documents)
+    if isinstance(batch, Tensor):
+        return int(batch.shape[0]) if batch.dim() else 1
+    values = batch.values() if isinstance(batch, Mapping) else batch if isinstance(batch, (list, tuple)) else ()
+    for v in values:
+        if isinstance(v, Tensor) and v.dim() > 0:
+            return int(v.shape[0])
+    return 0
+
+
+def _count_tokens(batch: Any) -> Tensor | None:
+    document = getattr(batch, "document", None)  # PackedBatch: real (non-padding) tokens
+    return (document >= 0).sum() if isinstance(document, Tensor) else None
+
+
+def _write_json(path: Path, payload: Any) -> None:
+    """Write JSON durably and atomically (temp file, fsync, rename)."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w") as f:
+        json.dump(payload, f, indent=2, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _fsync_tree(directory: Path) -> None:
+    for p in sorted(directory.rglob("*")):
+        if p.is_file():
+            fd = os.open(p, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+    _fsync_dir(directory)
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _remove_dir(path: Path) -> None:
+    """Rename away, then delete: an interrupted delete never leaves a directory that looks valid."""
+    trash = path.with_name(f".trash-{path.name}-{os.getpid()}-{time.monotonic_ns()}")
+    os.replace(path, trash)
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _preserved_rng() -> Iterator[None]:
+    """Run a block (evaluation) without changing any RNG stream the training uses."""
+    py, npy = random.getstate(), np.random.get_state()
+    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=devices):
+        yield
+    random.setstate(py)
+    np.random.set_state(npy)
+
+
+# ----------------------------------------------------------------------------------------------------
+# The data stream: epochs, position, its own RNG, resume
+
+
+class _DataRNG:
+    """A private python/numpy/torch-CPU RNG stream swapped in around every call into the training data.
+
+    Data loading that draws from the global RNG (a torch DataLoader draws its worker base seed when an
+    iterator is created, lazily, at the first batch; collate functions may augment) would otherwise
+    shift the training stream (dropout) by a different amount in a resumed run than in a straight one.
+    With the swap the training stream never sees data draws, and the data stream is checkpointed too."""
+
+    def __init__(self, seed: int) -> None:
+        self.torch = torch.Generator().manual_seed(seed).get_state()
+        self.python = random.Random(seed).getstate()
+        self.numpy = np.random.RandomState(seed % 2**32).get_state()
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[None]:
+        saved = torch.get_rng_state(), random.getstate(), np.random.get_state()
+        torch.set_rng_state(self.torch)
+        random.setstate(self.python)
+        np.random.set_state(self.numpy)
+        try:
+            yield
+        finally:
+            self.torch, self.python, self.numpy = torch.get_rng_state(), random.getstate(), np.random.get_state()
+            torch.set_rng_state(saved[0])
+            random.setstate(saved[1])
+            np.random.set_state(saved[2])
+
+    def state_dict(self) -> dict[str, Any]:  # JSON-serialisable
+        name, keys, pos, has_gauss, gauss = self.numpy
+        return {"torch": base64.b64encode(self.torch.numpy().tobytes()).decode(),
+                "python": [self.python[0], list(self.python[1]), self.python[2]],
+                "numpy": [name, keys.tolist(), int(pos), int(has_gauss), float(gauss)]}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        raw = np.frombuffer(base64.b64decode(state["torch"]), dtype=np.uint8).copy()
+        self.torch = torch.from_numpy(raw)
+        version, internal, gauss_next = state["python"]
+        self.python = (version, tuple(internal), gauss_next)
+        name, keys, pos, has_gauss, gauss = state["numpy"]
+        self.numpy = (name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, gauss)
+
+
+class _DataStream:
+    """Endless batches from a re-iterable, tracking (epoch, batches yielded in the epoch) per rank."""
+
+    def __init__(self, data: Any, prepared: bool, accelerator: Any, seed: int) -> None:
+        self.data, self.prepared, self.accelerator = data, prepared, accelerator
+        self.rng = _DataRNG(seed)
+        self.stateful = not prepared and hasattr(data, "state_dict") and hasattr(data, "load_state_dict")
+        self.epoch, self.position = 0, 0
+        self._yielded_this_epoch = 0
+        self._it: Iterator | None = None
+
+    def _set_epoch(self, epoch: int) -> None:
+        if hasattr(self.data, "set_epoch"):
+            self.data.set_epoch(epoch)
+
+    def start(self, epoch: int = 0, position: int = 0, loader_state: Any = None,
+              rng_state: Mapping[str, Any] | None = None) -> None:
+        """Open the iterator at (epoch, position), under the data RNG stream."""
+        if rng_state is not None:
+            self.rng.load_state_dict(rng_state)
+        with self.rng.active():
+            self._start(epoch, position, loader_state)
+
+    def _start(self, epoch: int, position: int, loader_state: Any) -> None:
+        self.epoch, self.position = epoch, position
+        self._yielded_this_epoch = position
+        self._set_epoch(epoch)
+        if self.stateful and loader_state is not None:
+            self.data.load_state_dict(loader_state)
+            # The loader's own position is the authority: after the last batch of an epoch it may
+            # already name the next epoch (ShardLoader does) while our counter has not rolled over.
+            own = self.data.state_dict()
+            if isinstance(own, Mapping) and "epoch" in own:
+                self.epoch = int(own["epoch"])
+                self.position = self._yielded_this_epoch = int(own.get("batches_done", position))
+            self._it = iter(self.data)
+        elif self.prepared and position:
+            skipping = self.accelerator.skip_first_batches(self.data, position)
+            skipping.set_epoch(epoch)  # its own counter starts at 0 and would reseed the shared sampler
+            self._it = iter(skipping)
+        else:
+            self._it = iter(self.data)
+            for i in range(position):  # generic re-iterable: replay (must be deterministic per epoch)
+                try:
+                    next(self._it)
+                except StopIteration:
+                    raise ValueError(f"cannot resume the training data at epoch {epoch} batch {position}: "
+                                     f"the epoch has only {i} batches now") from None
+
+    def next(self) -> tuple[Any, int, int]:
+        """(batch, epoch, index in epoch) of the next non-None batch, rolling over epochs."""
+        assert self._it is not None, "start() first"
+        with self.rng.active():
+            return self._next()
+
+    def _next(self) -> tuple[Any, int, int]:
+        while True:
+            try:
+                batch = next(self._it)
+            except StopIteration:
+                if self._yielded_this_epoch == 0:
+                    raise ValueError(
+                        f"the training data yielded no batches in epoch {self.epoch}: pass a re-iterable "
+                        f"(list, DataLoader, ShardLoader), not a one-shot generator") from None
+                self.epoch += 1
+                self.position = self._yielded_this_epoch = 0
+                self._set_epoch(self.epoch)
+                self._it = iter(self.data)
+                continue
+            index = self.position
+            self.position += 1
+            if batch is None:  # skipped; still counted, it was consumed from the loader
+                continue
+            self._yielded_this_epoch += 1
+            return batch, self.epoch, index
+
+    def state(self) -> dict[str, Any]:
+        return {"epoch": self.epoch, "position": self.position,
+                "loader": self.data.state_dict() if self.stateful else None, "rng": self.rng.state_dict()}
+
+
+# ----------------------------------------------------------------------------------------------------
+# The trainer
+
+
+LossOutput = Tensor | tuple[Tensor, Mapping[str, float | Tensor]]
+
+
+class Trainer:
+    """Train ``model`` with Accelerate; see the module docstring for the guarantees.
+
+    loss_fn(model, batch) -> loss | (loss, {name: float | 0-d Tensor})
+        ``model`` is the prepared (maybe DDP/compiled) module: call it, and use ``unwrap(model)`` for
+        submodules. Runs under the mixed-precision autocast. ``None``: ``model(batch)`` returns that.
+        The extra metrics are averaged over ranks and steps and logged as ``train/<name>``; their
+        names must be the same on every step and rank.
+    eval_fn(model, batch) -> {name: Tensor}
+        per-sample values (dim 0 = samples; more dims are averaged too) or 0-d per-batch values;
+        the metric is the mean over the whole eval set and all ranks (``gather_for_metrics`` drops
+        the padding samples of a prepared DataLoader). ``None``: the mean of loss_fn's loss.
+    param_groups(model) -> AdamW param groups; default ``default_param_groups``.
+    hparams: extra (nested) config logged to TensorBoard next to TrainConfig (flattened).
+    export_config / export_tokenizers / export_module: what ``omni.export.save_pretrained`` writes to
+        output_dir/final (``export_module(model)`` picks the submodule to export, default: all of it).
+    prepare_data: hand train/eval DataLoaders to ``accelerator.prepare`` (None: only plain DataLoaders
+        without ``state_dict``/``set_epoch``; rank-local loaders must not be re-sharded).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        loss_fn: Callable[[nn.Module, Any], LossOutput] | None,
+        train_data: Iterable[Any],
+        config: TrainConfig,
+        *,
+        eval_data: Iterable[Any] | None = None,
+        eval_fn: Callable[[nn.Module, Any], Mapping[str, Tensor]] | None = None,
+        param_groups: Callable[[nn.Module], list[dict[str, Any]]] | None = None,
+        hparams: Mapping[str, Any] | None = None,
+        export_config: Mapping[str, Any] | None = None,
+        export_tokenizers: Mapping[str, Any] | None = None,
+        export_module: Callable[[nn.Module], nn.Module] | None = None,
+        prepare_data: bool | None = None,
+        accelerator_kwargs: Mapping[str, Any] | None = None,
+    ) -> None:
+        from accelerate import Accelerator, DataLoaderConfiguration
+        from accelerate.utils import DistributedDataParallelKwargs, ProjectConfiguration, set_seed
+
+        self.config = config
+        self.output_dir = Path(config.output_dir)
+        self.loss_fn, self.eval_fn = loss_fn, eval_fn
+        self.hparams = dict(hparams or {})
+        self.export_config = dict(export_config or {})
+        self.export_tokenizers = export_tokenizers
+        self.export_module = export_module
+
+        kwargs: dict[str, Any] = dict(accelerator_kwargs or {})
+        kwargs.setdefault("mixed_precision", self._mixed_precision(config.mixed_precision))
+        kwargs.setdefault("project_config", ProjectConfiguration(
+            project_dir=str(self.output_dir), logging_dir=str(self.output_dir / "logs")))
+        kwargs.setdefault("dataloader_config", DataLoaderConfiguration(use_seedable_sampler=True,
+                                                                       data_seed=config.seed))
+        if config.report_to and config.report_to != "none":
+            kwargs.setdefault("log_with", self._tracker(config.report_to))
+        handlers = list(kwargs.pop("kwargs_handlers", []))
+        if config.find_unused_parameters:
+            handlers.append(DistributedDataParallelKwargs(find_unused_parameters=True))
+        # Scheduler stepped once per optimizer step, by us (Accelerate's default steps it
+        # num_processes times per step); accumulation is ours too (grad_accum micro-batches per step).
+        self.accelerator = acc = Accelerator(step_scheduler_with_optimizer=False, gradient_accumulation_steps=1,
+                                             kwargs_handlers=handlers, **kwargs)
+        set_seed(config.seed, device_specific=True)  # per-rank streams (dropout differs across ranks)
+
+        groups = param_groups(model) if param_groups is not None else default_param_groups(model, config.weight_decay)
+        fused = acc.device.type == "cuda"
+        optimizer = torch.optim.AdamW(groups, lr=config.lr, betas=(config.beta1, config.beta2), eps=config.eps,
+                                      weight_decay=config.weight_decay, fused=fused or None)
+        warmup, total, min_ratio = config.warmup_steps, config.steps, config.min_lr_ratio
+
+        def schedule(i: int) -> float:  # a plain function: LambdaLR does not pickle it, so the schedule
+            return lr_multiplier(i, warmup=warmup, total=total, min_ratio=min_ratio)  # follows the current config
+
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+        self.model, self.optimizer, self.scheduler = acc.prepare(model, optimizer, scheduler)
+        if config.compile:
+            # Compiled here rather than by Accelerate's dynamo plugin: that one lives in the process-wide
+            # AcceleratorState (a later Trainer could not change it), and checkpoints keep the plain
+            # parameter names (Accelerate saves the module it prepared), so compile can be toggled on resume.
+            self.model = torch.compile(self.model)
+
+        self._prepare_data = prepare_data
+        self._train_prepared = self._should_prepare(train_data)
+        self.train_data = acc.prepare_data_loader(train_data) if self._train_prepared else train_data
+        self._eval_prepared = eval_data is not None and self._should_prepare(eval_data)
+        self.eval_data = acc.prepare_data_loader(eval_data) if self._eval_prepared else eval_data
+        self._stream = _DataStream(self.train_data, self._train_prepared, acc,
+                                   seed=1_000_003 * (config.seed + 1) + acc.process_index)
+        self.step = 0
+        self._metric_names: list[str] | None = None
+
+    # -- setup helpers -------------------------------------------------------------------------------
+    def _should_prepare(self, data: Any) -> bool:
+        """Plain DataLoaders are sharded by Accelerate; loaders with state_dict/set_epoch are rank-local."""
+        if self._prepare_data is not None:
+            return self._prepare_data
+        return isinstance(data, torch.utils.data.DataLoader) and not (
+            hasattr(data, "state_dict") or hasattr(data, "set_epoch"))
+
+    @staticmethod
+    def _mixed_precision(requested: str) -> str | None:
+        if requested != "auto":
+            return requested
+        # `accelerate launch` always exports its --mixed_precision, "no" by default: honour it only when
+        # it asks for reduced precision, so a default launch still gets bf16 on the GPU.
+        if os.environ.get("ACCELERATE_MIXED_PRECISION", "no").lower() not in ("", "no"):
+            return None
+        return "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "no"
+
+    @staticmethod
+    def _tracker(name: str) -> str | None:
+        if name == "tensorboard":
+            from accelerate.utils import is_tensorboard_available
+
+            if not is_tensorboard_available():
+                import warnings
+
+                warnings.warn("tensorboard is not installed: training metrics are not logged "
+                              "(pip install tensorboard, or set report_to='none')")
+                return None
+        return name
+
+    @property
+    def checkpoint_root(self) -> Path:
+        return self.output_dir / CHECKPOINT_DIR
+
+    @property
+    def export_dir(self) -> Path:
+        return self.output_dir / EXPORT_DIR
+
+    def _state_payload(self) -> dict[str, Any]:
+        return {"step": self.step, "world_size": self.accelerator.num_processes,
+                "compile": self.config.compile, "train_prepared": self._train_prepared,
+                "config": self.config.to_dict(), "time": time.time()}
+
+    # -- checkpoints ---------------------------------------------------------------------------------
+    def save_checkpoint(self) -> Path:
+        """Write output_dir/checkpoints/step-XXXXXX atomically (module docstring). Collective."""
+        acc = self.accelerator
+        name = f"step-{self.step:06d}"
+        final, tmp = self.checkpoint_root / name, self.checkpoint_root / f".tmp-{name}"
+        if acc.is_main_process:
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            tmp.mkdir(parents=True)
+        acc.wait_for_everyone()
+        acc.save_state(str(tmp))  # main: model/optimizer/scheduler; every rank: its RNG file
+        _write_json(tmp / f"data_state_rank{acc.process_index}.json", self._stream.state())
+        acc.wait_for_everyone()
+        if acc.is_main_process:
+            _write_json(tmp / TRAINER_STATE, self._state_payload())
+            _fsync_tree(tmp)
+            _write_json(tmp / COMPLETE_MARKER, {"step": self.step})
+            _fsync_dir(tmp)
+            if final.exists():  # a checkpoint of this step from an earlier (non-resumed) run
+                _remove_dir(final)
+            os.replace(tmp, final)
+            _fsync_dir(self.checkpoint_root)
+            if self.config.keep_checkpoints > 0:
+                for _, old in list_checkpoints(self.output_dir)[:-self.config.keep_checkpoints]:
+                    _remove_dir(old)
+        acc.wait_for_everyone()
+        return final
+
+    def _clean_stale_dirs(self) -> None:
+        if self.accelerator.is_main_process and self.checkpoint_root.is_dir():
+            for d in self.checkpoint_root.iterdir():
+                if d.is_dir() and (d.name.startswith(".tmp-") or d.name.startswith(".trash-")):
+                    shutil.rmtree(d, ignore_errors=True)
+        self.accelerator.wait_for_everyone()
+
+    def _resume(self) -> Path | None:
+        """Restore everything from the newest complete checkpoint; returns it (None: fresh start)."""
+        acc = self.accelerator
+        ckpt = latest_checkpoint(self.output_dir) if self.config.resume else None
+        if ckpt is None:
+            self._stream.start(0, 0, None)
+            return None
+        meta = json.loads((ckpt / TRAINER_STATE).read_text())
+        if meta["world_size"] != acc.num_processes:
+            raise ValueError(f"{ckpt} was written by {meta['world_size']} processes; resume it with "
+                             f"{meta['world_size']} (now {acc.num_processes}): per-rank data positions and RNG "
+                             f"streams do not map onto another number of ranks")
+        data_state = json.loads((ckpt / f"data_state_rank{acc.process_index}.json").read_text())
+        self._stream.start(data_state["epoch"], data_state["position"], data_state["loader"], data_state["rng"])
+        acc.load_state(str(ckpt))
+        self.step = int(meta["step"])
+        return ckpt
+
+    # -- one optimizer step --------------------------------------------------------------------------
+    def _loss(self, batch: Any) -> tuple[Tensor, dict[str, Tensor]]:
+        with self.accelerator.autocast():
+            out = self.loss_fn(self.model, batch) if self.loss_fn is not None else self.model(batch)
+        loss, metrics = (out if isinstance(out, tuple) else (out, {}))
+        if not isinstance(loss, Tensor) or loss.numel() != 1:
+            raise TypeError(f"the loss must be a scalar Tensor, got {type(loss).__name__}"
+                            f"{tuple(loss.shape) if isinstance(loss, Tensor) else ''}")
+        dev = self.accelerator.device
+        return loss.reshape(()), {k: torch.as_tensor(v, dtype=torch.float32, device=dev).detach().reshape(())
+                                  for k, v in metrics.items()}
+
+    def _train_step(self) -> dict[str, float]:
+        acc, cfg = self.accelerator, self.config
+        step = self.step + 1  # the step being computed (1-based: step-000003 holds the state after it)
+        dev = acc.device
+        where: list[tuple[int, int, list[str] | None]] = []
+        flags, loss_sum, samples = [], torch.zeros((), device=dev), 0
+        tokens = torch.zeros((), device=dev)
+        metric_sums: dict[str, Tensor] = {}
+        for micro in range(cfg.grad_accum):
+            batch, epoch, index = self._stream.next()
+            where.append((epoch, index, batch_keys(batch)))
+            samples += _count_samples(batch)
+            n_tok = _count_tokens(batch)
+            if n_tok is not None:
+                tokens = tokens + n_tok.to(dev)
+            if not self._train_prepared:
+                from accelerate.utils import send_to_device
+
+                batch = send_to_device(batch, dev, non_blocking=True)
+            sync = contextlib.nullcontext() if micro == cfg.grad_accum - 1 else acc.no_sync(self.model)
+            with sync:
+                loss, metrics = self._loss(batch)
+                acc.backward(loss / cfg.grad_accum)
+            flags.append((~torch.isfinite(loss.detach())).float())
+            loss_sum = loss_sum + loss.detach().float()
+            for k, v in metrics.items():
+                metric_sums[k] = metric_sums.get(k, 0.0) + v
+        if self._metric_names is None:
+            self._metric_names = sorted(metric_sums)
+        if sorted(metric_sums) != self._metric_names:
+            raise ValueError(f"loss_fn metrics changed at step {step}: {sorted(metric_sums)} "
+                             f"instead of {self._metric_names}")
+        max_norm = cfg.clip_norm if cfg.clip_norm and cfg.clip_norm > 0 else float("inf")
+        norm = acc.clip_grad_norm_(self.model.parameters(), max_norm)
+        norm = norm if isinstance(norm, Tensor) else torch.tensor(float(norm))
+        # One small all-reduce and one host sync per step: global loss/metrics for logging, and the
+        # non-finite flags every rank must agree on before anyone steps the optimizer.
+        packed = torch.stack([loss_sum, *[metric_sums[k] for k in self._metric_names], tokens,
+                              torch.tensor(float(samples), device=dev), *flags])
+        if acc.num_processes > 1:
+            packed = acc.reduce(packed, reduction="sum")
+        values = torch.cat([packed, norm.detach().float().reshape(1).to(dev)]).tolist()
+        n_micro = cfg.grad_accum * acc.num_processes
+        bad = values[-1 - cfg.grad_accum:-1]
+        grad_norm = values[-1]
+        if any(b > 0 for b in bad):
+            self._raise_non_finite(step, "loss", [(m, *w) for m, w in enumerate(where) if flags[m].item() > 0])
+        if not math.isfinite(grad_norm) and acc.mixed_precision != "fp16":  # fp16: the scaler skips it
+            self._raise_non_finite(step, "gradient norm", [(m, *w) for m, w in enumerate(where)])
+        lr = self.scheduler.get_last_lr()[0]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        k = len(self._metric_names)
+        out = {"loss": values[0] / n_micro, "lr": lr, "grad_norm": grad_norm,
+               "tokens": values[1 + k], "samples": values[2 + k]}
+        out.update({name: values[1 + i] / n_micro for i, name in enumerate(self._metric_names)})
+        return out
+
+    def _raise_non_finite(self, step: int, what: str, local: list[tuple]) -> None:
+        """Collective: every rank gathers every rank's culprits and raises the same error."""
+        from accelerate.utils import gather_object
+
+        acc = self.accelerator
+        culprits = gather_object([(acc.process_index, *c) for c in local]) if acc.num_processes > 1 else \
+            [(acc.process_index, *c) for c in local]
+        def show(keys: list[str] | None) -> str:
+            if keys is None:
+                return "(batch has no keys)"
+            return str(keys) if len(keys) <= 32 else f"{keys[:32]} ... ({len(keys)} keys)"
+
+        lines = [f"  rank {r} micro-batch {m} (epoch {e}, batch {i} of the epoch): keys {show(keys)}"
+                 for r, m, e, i, keys in culprits]
+        last = latest_checkpoint(self.output_dir)
+        raise NonFiniteLossError(
+            f"non-finite {what} at step {step}; the optimizer step was not taken and nothing was saved "
+            f"for this step (last complete checkpoint: {last if last else 'none'}). Batches:\n" + "\n".join(lines))
+
+    # -- evaluation ----------------------------------------------------------------------------------
+    @torch.no_grad()
+    def evaluate(self, data: Iterable[Any] | None = None) -> dict[str, float]:
+        """Mean of every eval metric over the whole eval set (``data``, default the Trainer's eval data)
+        and all ranks, as {"eval/<name>": value}. Collective: call it on every rank."""
+        acc = self.accelerator
+        prepared = self._eval_prepared
+        if data is not None:
+            prepared = self._should_prepare(data)
+            data = acc.prepare_data_loader(data) if prepared else data
+        else:
+            data = self.eval_data
+        if data is None:
+            return {}
+        dev = acc.device
+        sums: dict[str, Tensor] = {}  # rank-local partial sums (summed across ranks at the end)
+        counts: dict[str, Tensor] = {}
+        self.model.eval()
+        try:
+            with _preserved_rng():
+                for batch in data:
+                    if batch is None:
+                        continue
+                    if not prepared:
+                        from accelerate.utils import send_to_device
+
+                        batch = send_to_device(batch, dev, non_blocking=True)
+                    if self.eval_fn is not None:
+                        with acc.autocast():
+                            out = dict(self.eval_fn(self.model, batch))
+                    else:
+                        out = {"loss": self._loss(batch)[0]}
+                    for name, v in out.items():
+                        v = torch.as_tensor(v, device=dev).detach().float()
+                        if prepared:
+                            # gather_for_metrics drops the samples Accelerate duplicates to even out the
+                            # last batch (per-sample values only; a 0-d per-batch value is gathered as is).
+                            # Sums are global now; divide by the world size as the final reduce sums again.
+                            g = acc.gather_for_metrics(v) if v.dim() > 0 else acc.gather(v.reshape(1))
+                            s = g.sum() / acc.num_processes
+                            c = torch.tensor(g.numel() / acc.num_processes, device=dev)
+                        else:
+                            s, c = v.sum(), torch.tensor(float(v.numel()), device=dev)
+                        sums[name] = sums.get(name, 0.0) + s
+                        counts[name] = counts.get(name, 0.0) + c
+        finally:
+            self.model.train()
+        names = sorted(sums)
+        if acc.num_processes > 1:  # a rank may have had no batches: agree on the names first
+            from accelerate.utils import gather_object
+
+            names = sorted(set().union(*[set(n) for n in gather_object([names])]))
+        zero = torch.zeros((), device=dev)
+        packed = torch.stack([*(sums.get(n, zero) for n in names), *(counts.get(n, zero) for n in names)]) \
+            if names else torch.zeros(0, device=dev)
+        if acc.num_processes > 1 and names:
+            packed = acc.reduce(packed, reduction="sum")
+        vals = packed.tolist()
+        return {f"eval/{n}": vals[i] / max(vals[len(names) + i], 1e-12) for i, n in enumerate(names)}
+
+    # -- export --------------------------------------------------------------------------------------
+    def export(self, directory: str | os.PathLike | None = None) -> Path:
+        """Write the final model (main process) for ``omni.export.load_pretrained``. Collective."""
+        acc = self.accelerator
+        directory = Path(directory) if directory is not None else self.export_dir
+        acc.wait_for_everyone()
+        if acc.is_main_process:
+            module = acc.unwrap_model(self.model, keep_torch_compile=False)  # the fp32 wrapper only wraps forward
+            if self.export_module is not None:
+                module = self.export_module(module)
+            _export.save_pretrained(module, directory, self.export_config, tokenizers=self.export_tokenizers)
+        acc.wait_for_everyone()
+        return directory
+
+    # -- the loop ------------------------------------------------------------------------------------
+    def fit(self, finish: bool = True) -> dict[str, float]:
+        """Train to ``config.steps`` (resuming if a checkpoint exists), evaluate, checkpoint, export.
+        Returns the last logged training metrics and the final eval metrics. ``finish`` ends the
+        trackers and the process group (``accelerator.end_training``); pass False to keep using
+        collectives (``evaluate`` on a test set) and call ``close()`` yourself."""
+        from tqdm.auto import tqdm
+
+        acc, cfg = self.accelerator, self.config
+        self._clean_stale_dirs()
+        resumed = self._resume()
+        if acc.trackers == [] and acc.log_with:
+            acc.init_trackers(cfg.run_name, config=flatten_config({**cfg.to_dict(), **self.hparams}))
+        if resumed and acc.is_main_process:
+            print(f"omni.train: resumed from {resumed} at step {self.step}", flush=True)
+        bar = tqdm(total=cfg.steps, initial=self.step, desc="train", dynamic_ncols=True,
+                   disable=not (acc.is_main_process and cfg.progress))
+        last_ckpt = self.step if resumed else None
+        last_eval: int | None = None
+        results: dict[str, float] = {}
+        window: list[dict[str, float]] = []
+        t0 = time.perf_counter()
+        self.model.train()
+        failed = True
+        try:
+            while self.step < cfg.steps:
+                record = self._train_step()
+                self.step += 1
+                window.append(record)
+                bar.update(1)
+                if (cfg.log_every > 0 and self.step % cfg.log_every == 0) or self.step == cfg.steps:
+                    dt = max(time.perf_counter() - t0, 1e-9)
+                    logged = self._summarise(window, dt, self._stream.epoch)
+                    acc.log(logged, step=self.step)
+                    bar.set_postfix(loss=f"{logged['train/loss']:.4g}", lr=f"{logged['train/lr']:.3g}")
+                    results.update(logged)
+                    window, t0 = [], time.perf_counter()
+                if cfg.eval_every > 0 and self.step % cfg.eval_every == 0 and self.eval_data is not None:
+                    results.update(self._eval_and_log(bar))
+                    last_eval = self.step
+                if cfg.checkpoint_every > 0 and self.step % cfg.checkpoint_every == 0:
+                    self.save_checkpoint()
+                    last_ckpt = self.step
+            if self.eval_data is not None and last_eval != self.step:
+                results.update(self._eval_and_log(bar))
+            if cfg.checkpoint_every > 0 and last_ckpt != self.step:
+                self.save_checkpoint()
+            if cfg.export:
+                self.export()
+            failed = False
+        finally:
+            bar.close()
+            if finish or failed:  # a failed fit ends the run: trackers flushed, process group torn down
+                self.close()
+        results["step"] = self.step
+        return results
+
+    def close(self) -> None:
+        """Finish the trackers and tear down the process group; ``self.model`` becomes the plain module.
+
+        The DDP wrapper is freed first: its C++ Reducer holds the gloo process group, and a process group
+        destroyed through the Reducer blocks while holding the GIL on gloo threads that need the GIL
+        (torch #56297), an intermittent hang at exit. Freed through ``destroy_process_group`` instead,
+        the GIL is released."""
+        import gc
+
+        acc = self.accelerator
+        self.model = acc.unwrap_model(self.model, keep_fp32_wrapper=False, keep_torch_compile=False)
+        acc._models.clear()  # Accelerate's own reference to the wrapper
+        gc.collect()
+        acc.end_training()
+
+    def _eval_and_log(self, bar: Any) -> dict[str, float]:
+        metrics = self.evaluate()
+        self.accelerator.log(metrics, step=self.step)
+        if self.accelerator.is_main_process and metrics:
+            bar.write(f"step {self.step}: " + ", ".join(f"{k} {v:.4g}" for k, v in metrics.items()))
+        return metrics
+
+    def _summarise(self, window: list[dict[str, float]], seconds: float, epoch: int) -> dict[str, float]:
+        n = len(window)
+        out = {"train/loss": sum(r["loss"] for r in window) / n, "train/lr": window[-1]["lr"],
+               "train/grad_norm": sum(r["grad_norm"] for r in window) / n,
+               "train/samples_per_s": sum(r["samples"] for r in window) / seconds, "train/epoch": float(epoch)}
+        tokens = sum(r["tokens"] for r in window)
+        if tokens:
+            out["train/tokens_per_s"] = tokens / seconds
+        for name in self._metric_names or []:
+            out[f"train/{name}"] = sum(r[name] for r in window) / n
+        return out
+
+
+__all__ = ["NonFiniteLossError", "TrainConfig", "Trainer", "batch_keys", "default_param_groups", "flatten_config",
+           "latest_checkpoint", "list_checkpoints", "lr_multiplier", "seed_everything", "unwrap"]

@@ -1,0 +1,375 @@
+"""The training loop: 2 ranks == 1 rank with the doubled batch, stop + resume == straight through
+(bitwise on CPU, with dropout, for a stateful loader, an Accelerate-prepared DataLoader and the real
+ShardLoader), a SIGKILL during a checkpoint write, NaN handling, schedule, logging and export."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from torch import nn
+
+import _train_worker as W
+from omni.packing import Packer
+from omni.export import build_omni_model, load_config, load_pretrained, load_tokenizers, save_pretrained
+from omni.train import (NonFiniteLossError, TrainConfig, Trainer, default_param_groups, flatten_config,
+                        latest_checkpoint, list_checkpoints, lr_multiplier)
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+WORKER = str(HERE / "_train_worker.py")
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{HERE}", ACCELERATE_USE_CPU="1", OMP_NUM_THREADS="1",
+               GLOO_SOCKET_IFNAME="lo")  # as accelerate's debug_launcher: hostname-based choice is flaky
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    return env
+
+
+def _torchrun(*args: str, extra_env: dict | None = None, timeout: int = 90) -> subprocess.CompletedProcess:
+    """torchrun with 2 gloo ranks in its own session, so a hang is killed whole (no orphaned ranks)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", WORKER, *args]
+    proc = subprocess.Popen(cmd, env={**_env(), **(extra_env or {})}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"torchrun {args[0]} timed out after {timeout}s\n{out[-3000:]}\n{err[-5000:]}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def _weights(path: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(path / "model.safetensors"))
+
+
+def _assert_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), f"{k} differs by {(a[k] - b[k]).abs().max().item():.3g}"
+
+
+# ----------------------------------------------------------------------------------------------------
+# Multi-process: 2 gloo ranks with half batches == 1 process with the whole batch
+
+
+def test_two_ranks_equal_one_rank_with_doubled_batch(tmp_path):
+    proc = _torchrun("ddp", str(tmp_path / "ddp"))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    ddp = json.loads((tmp_path / "ddp" / "results.json").read_text())
+
+    x, y = W.mlp_data(10, seed=7)
+    eval_loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=4)
+    trainer, _ = W.run_mlp(tmp_path / "one", steps=6, global_batch=8, fit=False, eval_data=eval_loader,
+                           checkpoint_every=3)
+    xl, yl = W.mlp_data(16, seed=8)
+    before = trainer.evaluate(W.ListLoader(xl, yl, 8))
+    one = trainer.fit()
+
+    # Same parameters after 6 AdamW steps (grad_accum 2, clipping, warmup + cosine, weight decay):
+    # only the order of the float32 sums differs (gloo all-reduce), so agree to 1e-6.
+    a, b = _weights(tmp_path / "ddp" / "run" / "final"), _weights(tmp_path / "one" / "final")
+    assert a.keys() == b.keys()
+    worst = max((a[k] - b[k]).abs().max().item() for k in a)
+    assert worst < 1e-6, worst
+    assert max((a[k] - _weights(tmp_path / "one" / "checkpoints" / "step-000003")[k]).abs().max().item()
+               for k in a) > 1e-3  # and training moved them
+    # Eval: the prepared DataLoader (10 samples over 2 ranks: the padding duplicates dropped by
+    # gather_for_metrics) and a rank-local loader (sums reduced over ranks) give the 1-process numbers.
+    for key in ("eval/loss", "eval/acc"):
+        assert ddp["fit"][key] == pytest.approx(one[key], abs=1e-6)
+        assert ddp["before"][key] == pytest.approx(before[key], abs=1e-6)
+    assert ddp["fit"]["train/loss"] == pytest.approx(one["train/loss"], abs=1e-6)
+    assert ddp["fit"]["train/samples_per_s"] > 0
+    # The checkpoints of the 2-rank run hold one RNG file and one data position per rank.
+    ck = tmp_path / "ddp" / "run" / "checkpoints" / "step-000006"
+    assert {p.name for p in ck.glob("data_state_rank*.json")} == {"data_state_rank0.json", "data_state_rank1.json"}
+    assert len(list(ck.glob("random_states_*.pkl"))) == 2
+
+
+def test_nan_on_one_rank_stops_every_rank(tmp_path):
+    # Global batch 8 of step 3 = sorted permutation position 4..5 of epoch 0; find a key that rank 1 sees then.
+    x, y = W.mlp_data(48)
+    loader = W.ListLoader(x, y, 8, rank=1, world=2)
+    batches = [b for _, b in zip(range(6), iter(loader))]
+    poison = batches[4]["keys"][1]  # step 3, first micro-batch, rank 1
+    proc = _torchrun("nan", str(tmp_path / "nan"), extra_env={"POISON_KEY": poison}, timeout=120)
+    assert proc.returncode != 0
+    for rank in (0, 1):
+        msg = (tmp_path / "nan" / f"error_rank{rank}.txt").read_text()
+        assert "non-finite loss at step 3" in msg
+        assert "rank 1 micro-batch 0" in msg and poison in msg
+    assert [s for s, _ in list_checkpoints(tmp_path / "nan" / "run")] == [2]
+    assert not (tmp_path / "nan" / "run" / "final").exists()
+
+
+# ----------------------------------------------------------------------------------------------------
+# Exact resume
+
+
+@pytest.mark.parametrize("n, stop_step", [(40, 3), (32, 2)], ids=["mid-epoch", "epoch-boundary"])
+def test_resume_is_bitwise_identical(tmp_path, n, stop_step):
+    """6 steps straight == 3 (or 2) steps, process stops, new Trainer resumes, 3 more. With dropout,
+    grad_accum 2, epoch rollover (5 or 4 batches per epoch) and evaluation in between."""
+    x, y = W.mlp_data(12, seed=9)
+    ev = lambda: W.ListLoader(x, y, 4)  # noqa: E731
+    straight, res = W.run_mlp(tmp_path / "a", steps=6, n=n, dropout=0.3, eval_data=ev(), eval_every=2)
+    stopper = W.StopAfter(W.mlp_loss, calls=2 * stop_step)
+    with pytest.raises(W.StopAfter.Stop):
+        W.run_mlp(tmp_path / "b", steps=6, n=n, dropout=0.3, loss_fn=stopper, checkpoint_every=stop_step,
+                  eval_data=ev(), eval_every=5)
+    assert latest_checkpoint(tmp_path / "b").name == f"step-{stop_step:06d}"
+    resumed, res_b = W.run_mlp(tmp_path / "b", steps=6, n=n, dropout=0.3, model_seed=123,
+                               checkpoint_every=stop_step, eval_data=ev(), eval_every=5)
+    assert resumed.step == 6
+    _assert_equal(_weights(tmp_path / "a" / "final"), _weights(tmp_path / "b" / "final"))
+    assert res_b["train/loss"] == res["train/loss"] and res_b["eval/loss"] == res["eval/loss"]
+    assert resumed.scheduler.scheduler.last_epoch == 6  # one scheduler step per optimizer step
+
+
+def test_resume_with_prepared_shuffled_dataloader(tmp_path):
+    """A plain DataLoader (shuffle=True) is prepared by Accelerate: seeded per epoch, skipped on resume."""
+    x, y = W.mlp_data(40)
+    ds = torch.utils.data.TensorDataset(x, y)
+
+    def loader():
+        return torch.utils.data.DataLoader(ds, batch_size=8, shuffle=True)
+
+    def loss(model, batch):
+        xb, yb = batch
+        return nn.functional.cross_entropy(model(xb), yb)
+
+    W.run_mlp(tmp_path / "a", steps=6, loader=loader(), loss_fn=loss, dropout=0.3)
+    with pytest.raises(W.StopAfter.Stop):
+        W.run_mlp(tmp_path / "b", steps=6, loader=loader(), loss_fn=W.StopAfter(loss, 6), checkpoint_every=3,
+                  dropout=0.3)
+    W.run_mlp(tmp_path / "b", steps=6, loader=loader(), loss_fn=loss, checkpoint_every=3, dropout=0.3, model_seed=5)
+    _assert_equal(_weights(tmp_path / "a" / "final"), _weights(tmp_path / "b" / "final"))
+    state = json.loads((tmp_path / "b" / "checkpoints" / "step-000003" / "data_state_rank0.json").read_text())
+    assert (state["epoch"], state["position"], state["loader"]) == (1, 1, None)  # 6 micro-batches, 5 per epoch
+
+
+def _vec_trainer(out: Path, data, steps: int, loss_fn=None, **cfg) -> Trainer:
+    torch.manual_seed(cfg.pop("model_seed", 0))
+    task = W.VecClassifier(dropout=0.1)
+    config = TrainConfig(output_dir=str(out), steps=steps, lr=3e-3, grad_accum=2, log_every=2, progress=False,
+                         mixed_precision="no", report_to="none", **cfg)
+    export = {"builder": "omni", "trunk": W.trunk_config(0.1).to_dict(),
+              "heads": {"cls": {"type": "classification", "n_classes": 3, "pool": "mean"}}}
+    return Trainer(task, loss_fn, data, config, export_config=export,
+                   export_tokenizers={W.VEC: W.TrainVecTokenizer()}, export_module=lambda t: t.model)
+
+
+def test_resume_with_shard_loader_and_packed_batches(tmp_path):
+    """The real ShardLoader (rank-local, stateful) collating PackedBatches for an OmniModel task."""
+    from omni.data.reader import ShardLoader
+
+    urls = W.write_vec_shards(tmp_path / "shards")
+
+    def loader():
+        return ShardLoader(urls, W.decode_vec, Packer(block_size=16), batch_size=4, rank=0, world_size=1, seed=1)
+
+    _vec_trainer(tmp_path / "a", loader(), 7).fit()
+    stop = W.StopAfter(lambda m, b: m(b), calls=8)
+    with pytest.raises(W.StopAfter.Stop):
+        _vec_trainer(tmp_path / "b", loader(), 7, loss_fn=stop, checkpoint_every=4).fit()
+    state = json.loads((tmp_path / "b" / "checkpoints" / "step-000004" / "data_state_rank0.json").read_text())
+    # 8 batches per epoch, all used: the loader already names epoch 1 while our counter waits for the
+    # end of the iterator; resume follows the loader.
+    assert (state["epoch"], state["position"]) == (0, 8)
+    assert state["loader"]["epoch"] == 1 and state["loader"]["batches_done"] == 0
+    out = _vec_trainer(tmp_path / "b", loader(), 7, checkpoint_every=4, model_seed=9).fit()
+    assert out["step"] == 7
+    _assert_equal(_weights(tmp_path / "a" / "final"), _weights(tmp_path / "b" / "final"))
+
+
+# ----------------------------------------------------------------------------------------------------
+# Crash safety and NaN
+
+
+def test_sigkill_during_checkpoint_write_keeps_previous_checkpoint(tmp_path):
+    out = tmp_path / "kill"
+    out.mkdir()
+    proc = subprocess.Popen([sys.executable, WORKER, "killsave", str(out)], env=_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 60
+        while not (out / "hanging").exists():
+            assert proc.poll() is None, proc.communicate()[1].decode()[-3000:]
+            assert time.monotonic() < deadline, "the worker never reached the checkpoint write"
+            time.sleep(0.05)
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+    ckroot = out / "run" / "checkpoints"
+    assert (ckroot / ".tmp-step-000004" / "model.safetensors").stat().st_size == 64  # the torn write
+    assert [s for s, _ in list_checkpoints(out / "run")] == [2]
+    # Resuming uses step 2 (the torn temp dir is ignored, then cleaned) and ends where a run that was
+    # never killed ends.
+    W.run_mlp(out / "run", steps=6, checkpoint_every=2, dropout=0.2, report_to="none", model_seed=77)
+    W.run_mlp(tmp_path / "straight", steps=6, checkpoint_every=2, dropout=0.2, report_to="none")
+    _assert_equal(_weights(out / "run" / "final"), _weights(tmp_path / "straight" / "final"))
+    assert not any(p.name.startswith(".") for p in ckroot.iterdir())
+    assert [s for s, _ in list_checkpoints(out / "run")] == [4, 6]  # keep_checkpoints=2
+
+
+def test_nan_loss_raises_before_the_step_and_saves_nothing_corrupt(tmp_path):
+    torch.manual_seed(0)
+    task = W.VecClassifier(dropout=0.0)
+    batches = W.packed_batches(W.vec_samples(40))  # 10 PackedBatches with keys v0..v39
+    poison = "v21"  # batch 5 = step 3, micro-batch 1
+
+    def loss(model, batch):
+        value, metrics = model(batch)
+        return (value * float("nan") if poison in batch.keys else value), metrics
+
+    cfg = TrainConfig(output_dir=str(tmp_path), steps=6, grad_accum=2, checkpoint_every=2, progress=False,
+                      mixed_precision="no", report_to="none")
+    trainer = Trainer(task, loss, batches, cfg)
+    with pytest.raises(NonFiniteLossError) as err:
+        trainer.fit()
+    msg = str(err.value)
+    assert "non-finite loss at step 3" in msg and "micro-batch 1 (epoch 0, batch 5 of the epoch)" in msg
+    assert "'v20', 'v21', 'v22', 'v23'" in msg and "step-000002" in msg
+    assert [s for s, _ in list_checkpoints(tmp_path)] == [2] and not (tmp_path / "final").exists()
+    # The parameters are those of the step-2 checkpoint: the optimizer did not step on NaN gradients.
+    saved = _weights(tmp_path / "checkpoints" / "step-000002")
+    current = task.state_dict()
+    for k, v in saved.items():
+        assert torch.equal(current[k], v), k
+    assert all(torch.isfinite(p).all() for p in task.parameters())
+
+
+# ----------------------------------------------------------------------------------------------------
+# Schedule, param groups, logging, export
+
+
+def test_lr_schedule_values():
+    m = lambda i: lr_multiplier(i, warmup=4, total=14, min_ratio=0.1)  # noqa: E731
+    assert [m(i) for i in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert m(4) == 1.0 and m(9) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))
+    assert m(13) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.9)))
+    assert m(14) == pytest.approx(0.1) and m(100) == pytest.approx(0.1)
+    assert lr_multiplier(0, warmup=0, total=5, min_ratio=0.0) == 1.0
+
+
+def test_param_groups_decay_matrices_only():
+    torch.manual_seed(0)
+    task = W.VecClassifier(positions="learned")
+    groups = default_param_groups(task, 0.1)
+    names = {id(p): n for n, p in task.named_parameters()}
+    decay = sorted(names[id(p)] for p in groups[0]["params"])
+    no_decay = sorted(names[id(p)] for p in groups[1]["params"])
+    assert groups[0]["weight_decay"] == 0.1 and groups[1]["weight_decay"] == 0.0
+    assert all(task.get_parameter(n).ndim >= 2 for n in decay)
+    assert "model.trunk.absolute.rows.weight" in no_decay and "model.trunk.absolute.cols.weight" in no_decay
+    assert f"model.embedders.{W.VEC}.1.weight" in no_decay  # the type embedding
+    assert "model.trunk.blocks.0.attn.qkv.weight" in decay and f"model.embedders.{W.VEC}.0.weight" in decay
+    assert "model.heads.cls.norm.weight" in no_decay and "model.trunk.blocks.0.attn.qkv.bias" in no_decay
+    assert len(decay) + len(no_decay) == len(list(task.parameters()))
+
+
+def test_tensorboard_logs_flat_config_and_per_step_lr(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    x, y = W.mlp_data(12, seed=9)
+    W.run_mlp(tmp_path, steps=6, eval_data=W.ListLoader(x, y, 4), eval_every=3)
+    logdir = tmp_path / "logs" / "omni"
+    acc = EventAccumulator(str(logdir))
+    acc.Reload()
+    tags = acc.Tags()["scalars"]
+    for tag in ("train/loss", "train/lr", "train/grad_norm", "train/acc", "train/samples_per_s", "eval/loss", "eval/acc"):
+        assert tag in tags, tags
+    lrs = [(e.step, e.value) for e in acc.Scalars("train/lr")]
+    assert [s for s, _ in lrs] == [1, 2, 3, 4, 5, 6]
+    for step, value in lrs:  # the lr used for step s is lr * multiplier(s - 1): one scheduler step per step
+        assert value == pytest.approx(1e-2 * lr_multiplier(step - 1, warmup=2, total=6, min_ratio=0.0))
+    assert [e.step for e in acc.Scalars("eval/loss")] == [3, 6]
+    hparams = next(logdir.rglob("hparams.yml")).read_text()
+    assert "model.widths: '[8, 32, 4]'" in hparams and "model.kind: mlp" in hparams and "grad_accum: 2" in hparams
+
+
+def test_flatten_config():
+    flat = flatten_config({"a": {"b": 1, "c": {"d": [1, 2]}}, "e": None, "f": (0.9, 0.99), "g": "x", "h": True})
+    assert flat == {"a.b": 1, "a.c.d": "[1, 2]", "e": "None", "f": "(0.9, 0.99)", "g": "x", "h": True}
+
+
+def test_checkpoint_listing_ignores_incomplete_and_temp_dirs(tmp_path):
+    root = tmp_path / "checkpoints"
+    for name, complete in [("step-000002", True), ("step-000004", True), ("step-000006", False),
+                           (".tmp-step-000008", True), ("step-x", True)]:
+        (root / name).mkdir(parents=True)
+        if complete:
+            (root / name / "COMPLETE").write_text("{}")
+    assert [s for s, _ in list_checkpoints(tmp_path)] == [2, 4]
+    assert latest_checkpoint(tmp_path) == root / "step-000004"
+
+
+def test_export_round_trip_omni_builder(tmp_path):
+    """fit() exports an OmniModel + its tokenizer; load_pretrained rebuilds it with no training code."""
+    batches = W.packed_batches(W.vec_samples(16))
+    trainer = _vec_trainer(tmp_path, batches, 3)
+    trainer.fit()
+    model = load_pretrained(tmp_path / "final")
+    assert type(model).__name__ == "OmniModel" and not model.training
+    assert list(load_tokenizers(tmp_path / "final")) == [W.VEC]
+    assert load_config(tmp_path / "final")["builder"] == "omni"
+    trained = trainer.accelerator.unwrap_model(trainer.model).model.eval()
+    with torch.no_grad():
+        for b in batches[:2]:
+            torch.testing.assert_close(model.heads["cls"](model(b), b, W.VEC), trained.heads["cls"](trained(b), b, W.VEC),
+                                       rtol=0, atol=0)
+
+
+def test_export_tied_lm_head_and_import_path_builder(tmp_path):
+    """Tied weights are stored once and come back tied; a "module:function" builder loads a custom model."""
+    from omni.tokenizers.base import TypeEmbedding, register_tokenizer
+
+    @register_tokenizer("train_test_ids")
+    class Ids(W.Tokenizer):
+        modality = "train_test_ids"
+
+        def __init__(self, vocab: int = 11) -> None:
+            self.vocab = vocab
+
+        def config(self):
+            return {"vocab": self.vocab}
+
+        def encode(self, raw, *, key=""):
+            raise NotImplementedError
+
+        def embedder(self, d_model):
+            return nn.Sequential(nn.Embedding(self.vocab, d_model), TypeEmbedding(d_model))
+
+    config = {"builder": "omni", "trunk": {"preset": "tiny", "n_layers": 1},
+              "heads": {"lm": {"type": "lm", "vocab_size": 11, "tie_to": "text"}}}
+    torch.manual_seed(0)
+    model = build_omni_model(config, {"text": Ids()})
+    assert model.heads["lm"].proj.weight is model.embedders["text"][0].weight
+    save_pretrained(model, tmp_path / "m", config, tokenizers={"text": Ids()})
+    stored = load_file(str(tmp_path / "m" / "model.safetensors"))
+    assert len(stored) == len(model.state_dict()) - 1  # the tied table once
+    back = load_pretrained(tmp_path / "m")
+    assert back.heads["lm"].proj.weight is back.embedders["text"][0].weight
+    _assert_equal(model.state_dict(), back.state_dict())
+    assert load_tokenizers(tmp_path / "m")["text"].vocab == 11
+    # A second export over the first replaces it whole.
+    mlp = W.make_mlp(3)
+    save_pretrained(mlp, tmp_path / "m", {"builder": "_train_worker:build_mlp", "dropout": 0.0})
+    _assert_equal(load_pretrained(tmp_path / "m").state_dict(), mlp.state_dict())
+    assert not (tmp_path / "m" / "tokenizers").exists() and sorted(p.name for p in tmp_path.iterdir()) == ["m"]
+    with pytest.raises(KeyError, match="no_such_builder"):
+        save_pretrained(mlp, tmp_path / "x", {"builder": "no_such_builder"})
+        load_pretrained(tmp_path / "x")
