@@ -198,6 +198,12 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Mask) -> Tensor:
     if isinstance(mask, BlockMask):
         # Compiled Flex kernels on GPU; the eager path (reference math) serves CPU and tests.
         fn = _compiled_flex() if q.is_cuda else flex_attention
+        D = q.shape[-1]
+        if q.is_cuda and D < 16:  # Flex's GPU kernels need head_dim >= 16: zero-pad (q.k unchanged)
+            pad = (0, 16 - D)
+            out = fn(F.pad(q, pad), F.pad(k, pad), F.pad(v, pad), block_mask=mask, enable_gqa=gqa,
+                     scale=D ** -0.5)
+            return out[..., :D]
         return fn(q, k, v, block_mask=mask, enable_gqa=gqa)
     if isinstance(mask, str):
         if mask != "causal":

@@ -31,7 +31,6 @@ from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 import numpy as np
-import soundfile as sf
 import torch
 import torchaudio
 from torch import Tensor, nn
@@ -191,6 +190,8 @@ def _check_rate(rate: Any, key: str) -> int:
 def _decode_bytes(data: bytes | bytearray | memoryview, key: str) -> tuple[np.ndarray, int]:
     if len(data) == 0:
         raise ValueError(f"{_where(key)}: got 0 bytes; expected an encoded audio file ({SUPPORTED_FORMATS})")
+    import soundfile as sf  # lazy: only decoding needs libsndfile (importing omni works without it)
+
     try:
         array, rate = sf.read(io.BytesIO(bytes(data)), dtype="float32", always_2d=True)
     except Exception as exc:  # libsndfile reports bad data as RuntimeError, TypeError or ValueError
@@ -204,6 +205,8 @@ def _decode_bytes(data: bytes | bytearray | memoryview, key: str) -> tuple[np.nd
 def _decode_path(path: str | os.PathLike, key: str) -> tuple[np.ndarray, int]:
     if not Path(path).is_file():
         raise ValueError(f"{_where(key)}: no audio file at {os.fspath(path)!r}")
+    import soundfile as sf
+
     try:
         array, rate = sf.read(path, dtype="float32", always_2d=True)
     except Exception as exc:  # see _decode_bytes
