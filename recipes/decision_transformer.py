@@ -1,0 +1,230 @@
+"""Decision Transformer on the shared trunk, with BC and filtered-BC baselines on the same data.
+
+    python recipes/decision_transformer.py --env CartPole-v1             # builds data/gym-CartPole-v1 if missing
+    python recipes/decision_transformer.py --env Pendulum-v1 --preset dt-large
+    python recipes/decision_transformer.py --preset tiny                 # CPU smoke run
+    python recipes/decision_transformer.py --data data/my-minari --env Hopper-v5 --set methods=['dt']
+
+For each method (dt: returns-conditioned; bc: same trunk on (state, action) only; fbc: bc on the top 10%
+episodes by return) and each training seed it trains, then evaluates with rollouts in the real env
+(many envs batched, KV-cached inference): a sweep of target returns (dt), ``eval_seeds`` episodes per
+target, normalised score 100 * (R - R_random) / (R_expert - R_random) with the references from the
+dataset manifest (``omni data gym`` measures them). Prints a Markdown table and writes
+``<out>/results.json``; each trained model is exported to ``<out>/<method>-seed<k>/final``.
+--set key=value overrides any config entry (Python literals).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from omni.data.shards import read_manifest
+from omni.rl import (
+    DecisionTransformer,
+    SpaceSpec,
+    WindowLoader,
+    action_loss,
+    encode_episodes,
+    episode_return,
+    evaluate,
+    load_episodes,
+    make_tokenizer,
+    summarize_returns,
+    top_episodes,
+)
+from omni.train import TrainConfig, Trainer, unwrap
+from omni.trunk import preset
+
+# ---------------------------------------------------------------------------------------------------
+# Config. Every entry can be overridden with --set key=value.
+
+COMMON = dict(
+    env="CartPole-v1", data=None,  # None: data/gym-<env>, built with `omni data gym` settings below
+    episodes=1000, mix=None, data_seed=0, out=None,
+    methods=["dt", "bc", "fbc"], fbc_fraction=0.1,
+    trunk="dt", trunk_overrides={}, positions="none",  # official DT: no token positions, a timestep embedding
+    dropout=0.1, context=20, rtg_scale=None, short="pad",
+    batch_size=64, steps=10_000, lr=1e-4, min_lr_ratio=0.1, warmup_steps=1000, weight_decay=1e-4, clip_norm=0.25,
+    compile=False, train_seeds=[0], eval_seeds=5, target_fractions=[1.0, 0.75, 0.5],  # of (expert - random)
+    targets=None,  # explicit target returns (overrides target_fractions)
+    eval_cache=True, progress=True, log_every=100,
+)
+PRESETS: dict[str, dict] = {
+    # CPU smoke run: a small trunk, a short context, a few hundred steps on a small CartPole set.
+    "tiny": dict(episodes=60, trunk="tiny", trunk_overrides=dict(d_model=32, n_layers=2, n_heads=1), context=5,
+                 dropout=0.0, batch_size=32, steps=60, lr=1e-3, warmup_steps=5, eval_seeds=2,
+                 target_fractions=[1.0], log_every=20),
+    # The official Decision Transformer configuration (3 layers, width 128, 1 head, context 20).
+    "dt": dict(),
+    # Larger trunks on the same recipe.
+    "dt-large": dict(trunk="dt", trunk_overrides=dict(d_model=256, n_layers=6, n_heads=8), positions="rope",
+                     lr=3e-4, batch_size=128),
+    "dt-xl": dict(trunk="dt", trunk_overrides=dict(d_model=512, n_layers=8, n_heads=8), positions="rope",
+                  lr=2e-4, batch_size=256, steps=20_000),
+}
+
+
+def parse_args(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="dt", help=f"one of {', '.join(PRESETS)} (default dt)")
+    ap.add_argument("--env", default=None, help="Gymnasium env id for data building and evaluation")
+    ap.add_argument("--data", default=None, help="dataset directory (manifest.json + episode shards)")
+    ap.add_argument("--out", default=None, help="output directory (default runs/dt-<env>-<preset>)")
+    ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="override config entries")
+    args = ap.parse_args(argv)
+    if args.preset not in PRESETS:
+        ap.error(f"unknown preset {args.preset!r}; choose from {', '.join(PRESETS)}")
+    cfg = {**COMMON, **PRESETS[args.preset], "preset": args.preset}
+    for name in ("env", "data", "out"):
+        if getattr(args, name):
+            cfg[name] = getattr(args, name)
+    for item in args.set:
+        key, sep, value = item.partition("=")
+        if not sep or key not in cfg:
+            ap.error(f"--set {item!r}: expected KEY=VALUE with KEY one of {', '.join(sorted(cfg))}")
+        try:
+            cfg[key] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            cfg[key] = value
+    unknown = set(cfg["methods"]) - {"dt", "bc", "fbc"}
+    if unknown:
+        ap.error(f"methods: unknown {sorted(unknown)}; choose from dt, bc, fbc")
+    cfg["data"] = cfg["data"] or f"data/gym-{cfg['env']}" + ("-tiny" if args.preset == "tiny" else "")
+    cfg["out"] = cfg["out"] or f"runs/dt-{cfg['env']}-{args.preset}"
+    return cfg
+
+
+# ---------------------------------------------------------------------------------------------------
+
+
+def load_data(cfg: dict) -> tuple[dict, list[dict]]:
+    data = Path(cfg["data"])
+    if not (data / "manifest.json").is_file():
+        from omni.data.builders_rl import build_gym
+
+        print(f"building {cfg['episodes']} {cfg['env']} episodes in {data} ...", flush=True)
+        build_gym(data, env=cfg["env"], episodes=cfg["episodes"], mix=cfg["mix"], seed=cfg["data_seed"],
+                  minari=False, quiet=not cfg["progress"])
+    manifest = read_manifest(data)
+    if manifest.get("env_id") and manifest["env_id"] != cfg["env"]:
+        raise ValueError(f"{data} holds {manifest['env_id']} episodes but --env is {cfg['env']}")
+    return manifest, load_episodes(data, "train")
+
+
+def references(manifest: dict, episodes: list[dict]) -> tuple[tuple[float, float], str]:
+    refs = manifest.get("reference_returns") or {}
+    rets = [episode_return(ep) for ep in episodes]
+    lo = refs.get("random")
+    hi = refs.get("expert")
+    source = "manifest (random policy / noise-free scripted expert)"
+    if lo is None or hi is None:
+        warnings.warn("dataset has no random/expert reference returns: using the dataset's min/max episode return")
+        lo, hi, source = (min(rets) if lo is None else lo), max(rets), "dataset min/max return"
+    return (float(lo), float(hi)), source
+
+
+def train_one(cfg: dict, tok, episodes: list[dict], method: str, seed: int, device: torch.device):
+    use_returns = method == "dt"
+    data = encode_episodes(tok, episodes, short=cfg["short"]).to(device)
+    from accelerate import PartialState
+
+    state = PartialState()  # each rank takes its own slice of the windows (accelerate launch)
+    loader = WindowLoader(data, cfg["batch_size"], context=cfg["context"], use_returns=use_returns, seed=seed,
+                          rank=state.process_index, world_size=state.num_processes)
+    trunk = preset(cfg["trunk"], positions=cfg["positions"], dropout=cfg["dropout"],
+                   max_positions=3 * cfg["context"], **cfg["trunk_overrides"])
+    torch.manual_seed(seed)
+    model = DecisionTransformer(tok, trunk, use_returns=use_returns)
+
+    def loss_fn(model, batch):
+        tokens, targets = batch
+        return action_loss(model, tok, tokens, targets)
+
+    out = Path(cfg["out"]) / f"{method}-seed{seed}"
+    config = TrainConfig(output_dir=str(out), steps=cfg["steps"], lr=cfg["lr"], min_lr_ratio=cfg["min_lr_ratio"],
+                         warmup_steps=min(cfg["warmup_steps"], cfg["steps"]), weight_decay=cfg["weight_decay"],
+                         clip_norm=cfg["clip_norm"], compile=cfg["compile"], seed=seed, run_name=f"{method}-{seed}",
+                         progress=cfg["progress"], log_every=cfg["log_every"], report_to="none")
+    export = {"builder": "omni.rl:build_decision_transformer", "trunk": trunk.to_dict(), "use_returns": use_returns,
+              "env_id": cfg["env"], "method": method}
+    trainer = Trainer(model, loss_fn, loader, config, hparams=cfg, export_config=export,
+                      export_tokenizers={"trajectory": tok})
+    t0 = time.time()
+    metrics = trainer.fit()
+    metrics["train_seconds"] = time.time() - t0
+    metrics["windows"] = loader.num_windows
+    return unwrap(trainer.model), metrics
+
+
+def markdown(rows: list[dict]) -> str:
+    lines = ["| method | target | return (mean ± std) | normalised score (mean ± std) | episodes |",
+             "|---|---|---|---|---|"]
+    for r in rows:
+        tgt = "-" if r["target"] is None else f"{r['target']:.1f}"
+        lines.append(f"| {r['method']} | {tgt} | {r['return_mean']:.1f} ± {r['return_std']:.1f} | "
+                     f"{r['score_mean']:.1f} ± {r['score_std']:.1f} | {r['episodes']} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> dict:
+    cfg = parse_args(argv)
+    from accelerate import PartialState
+
+    state = PartialState()
+    device = state.device
+    if state.is_main_process:
+        manifest, episodes = load_data(cfg)  # builds the dataset once
+    state.wait_for_everyone()
+    if not state.is_main_process:
+        manifest, episodes = load_data(cfg)
+    spaces = SpaceSpec.from_manifest(manifest)
+    import gymnasium as gym
+
+    limit = gym.spec(cfg["env"]).max_episode_steps or max(len(ep["actions"]) for ep in episodes)
+    ref, ref_source = references(manifest, episodes)
+    tok = make_tokenizer(episodes, spaces, context=cfg["context"], rtg_scale=cfg["rtg_scale"],
+                         max_timestep=max(limit, max(len(ep["actions"]) for ep in episodes)) + 1)
+    targets = cfg["targets"] or [ref[0] + f * (ref[1] - ref[0]) for f in cfg["target_fractions"]]
+    eval_seeds = list(range(10_000, 10_000 + cfg["eval_seeds"]))  # disjoint from the data's env seeds
+    print(f"{cfg['env']}: {len(episodes)} episodes, returns {min(map(episode_return, episodes)):.1f}.."
+          f"{max(map(episode_return, episodes)):.1f}; reference random {ref[0]:.1f} / expert {ref[1]:.1f} "
+          f"({ref_source}); {device}", flush=True)
+    results: list[dict[str, Any]] = []
+    runs: list[dict[str, Any]] = []
+    for method in cfg["methods"]:
+        data = top_episodes(episodes, cfg["fbc_fraction"]) if method == "fbc" else episodes
+        for seed in cfg["train_seeds"]:
+            model, metrics = train_one(cfg, tok, data, method, seed, device)
+            t0 = time.time()
+            rows = evaluate(model, tok, cfg["env"], targets=targets if method == "dt" else [None], seeds=eval_seeds,
+                            reference=ref, max_steps=limit, device=device, cache=cfg["eval_cache"])
+            runs.append({"method": method, "seed": seed, "episodes": len(data), "eval_seconds": time.time() - t0,
+                         **{k: v for k, v in metrics.items() if isinstance(v, (int, float))}, "rows": rows})
+    # One table row per (method, target): episodes of every training seed pooled.
+    for method in cfg["methods"]:
+        mine = [r for r in runs if r["method"] == method]
+        for j, row in enumerate(mine[0]["rows"]):
+            rets = [v for run in mine for v in run["rows"][j]["returns"]]
+            results.append({"method": method, "target": row["target"], **summarize_returns(rets, ref)})
+    table = markdown(results)
+    payload = {"env": cfg["env"], "reference": {"random": ref[0], "expert": ref[1], "source": ref_source},
+               "config": cfg, "results": results, "runs": runs, "table": table}
+    if state.is_main_process:  # every rank evaluated the same episodes (seeded); one writes
+        print(table, flush=True)
+        out = Path(cfg["out"])
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "results.json").write_text(json.dumps(payload, indent=2, default=str))
+    return payload
+
+
+if __name__ == "__main__":
+    sys.exit(0 if main() is not None else 1)
