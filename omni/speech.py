@@ -1,0 +1,532 @@
+"""Whisper-style speech recognition on the shared trunk: model, batching, decoding, metrics, inference.
+
+    audio --AudioTokenizer--> (S, n_mels*5) log-mel windows --AudioEmbedder--> encoder Trunk (bidirectional)
+                                                                                  |  memory (B, S, d)
+    [bos, <|transcribe|>, ids..., eos] --TextEmbedder--> decoder Trunk (causal + cross-attention) --> LMHead (tied)
+
+Design decisions (documented here because recipes/whisper.py and `omni transcribe` rely on them):
+
+* Batches are PADDED, not packed. Clips of one batch are right-padded to the longest (rounded up to a
+  multiple of ``pad_multiple``) and a key-padding ``audio_mask`` (B, S) hides the padding from encoder
+  self-attention and decoder cross-attention. Padding costs little here (utterances of one batch are
+  1-15 s, far below Whisper's fixed 30 s), keeps the decoder's cross-attention a plain (B, S) key mask
+  and lets incremental decoding use the static KV cache unchanged. Padded text targets are -100.
+* Teacher forcing on ``[bos, <|transcribe|>, ids..., eos]`` (TextTokenizer.encode(..., task="transcribe")):
+  the task token is a given condition, so its prediction is never trained.
+* Decoding (``greedy_decode``, ``beam_search``) uses the trunk's static KV cache; cross-attention K/V
+  are computed once, on the prompt step, and reused. Guards: a per-row token limit
+  (``max_new_tokens``, and ``tokens_per_second`` (25) x clip seconds + 8), and a repetition guard that stops
+  a row whose last ``max_repeats`` blocks of ``p`` tokens (p = 1 .. ``max_period``) are identical and
+  keeps only the first copy of that block.
+* Long audio (longer than the tokenizer's ``max_seconds``, 30 s) is cut by ``split_windows`` at the
+  quietest 20 ms frame of the last ``search_seconds`` of each window, so cuts fall in pauses, not in
+  words; the windows are decoded as independent batch rows and their texts joined with one space.
+* WER / CER (``error_rates``) compare texts normalised by ``normalize_text`` (rule in its docstring),
+  as corpus totals: sum of edit distances / sum of reference lengths.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import unicodedata
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from omni.heads import LMHead
+from omni.tokenizers.audio import AudioTokenizer, load_audio
+from omni.tokenizers.text import IGNORE_INDEX, TextTokenizer
+from omni.trunk import KVCache, Trunk, TrunkConfig
+
+TASK = "transcribe"
+SILENCE_PEAK = 1e-4  # |sample| peak below this (-80 dBFS) = a silent file: nothing to transcribe
+
+
+# ----------------------------------------------------------------------------------------------------
+# The model
+
+
+class SpeechRecognizer(nn.Module):
+    """Encoder-decoder ASR: audio embedder -> encoder Trunk; text embedder -> decoder Trunk
+    (cross-attention over the encoder output) -> LM head tied to the text embedding."""
+
+    def __init__(self, audio: AudioTokenizer, text: TextTokenizer, encoder: TrunkConfig,
+                 decoder: TrunkConfig) -> None:
+        super().__init__()
+        if encoder.d_model != decoder.d_model:
+            raise ValueError(f"encoder width {encoder.d_model} != decoder width {decoder.d_model}: "
+                             "cross-attention reads encoder states at the decoder width")
+        if encoder.cross_attention:
+            raise ValueError("the encoder trunk must not have cross-attention")
+        if not decoder.cross_attention:
+            raise ValueError("the decoder trunk needs cross_attention=True")
+        d = encoder.d_model
+        self.audio_embed = audio.embedder(d)
+        self.encoder = Trunk(encoder)
+        self.text_embed = text.embedder(d)
+        self.decoder = Trunk(decoder)
+        self.head = LMHead(d, text.vocab_size, tie_to=self.text_embed.token)
+        self.vocab_size = text.vocab_size
+        self.bos_id, self.eos_id, self.pad_id = text.bos_id, text.eos_id, text.pad_id
+        self.task_id = text.token_id(TASK)
+        self.tokens_per_second = audio.tokens_per_second
+
+    @property
+    def prompt(self) -> list[int]:
+        """The decoder prompt every transcript starts with: [bos, <|transcribe|>]."""
+        return [self.bos_id, self.task_id]
+
+    def encode(self, audio: Tensor, audio_mask: Tensor | None = None) -> Tensor:
+        """audio (B, S, F) log-mel windows, audio_mask (B, S) bool True = real -> memory (B, S, d)."""
+        mask = None if audio_mask is None else audio_mask[:, None, None, :]
+        return self.encoder(self.audio_embed(audio), None, mask)
+
+    def decode_hidden(self, text: Tensor, memory: Tensor | None, audio_mask: Tensor | None,
+                      cache: KVCache | None = None) -> Tensor:
+        """text ids (B, T) -> decoder hidden states (B, T, d); with a cache, ``memory`` is needed on the
+        first call only (cross-attention K/V are cached)."""
+        return self.decoder(self.text_embed(text), None, "causal" if cache is None else None,
+                            memory=memory, memory_mask=audio_mask, cache=cache)
+
+    def forward(self, audio: Tensor, audio_mask: Tensor | None, text: Tensor) -> Tensor:
+        """Teacher forcing: logits (B, T, vocab) for every text position."""
+        memory = self.encode(audio, audio_mask)
+        return self.head(self.decode_hidden(text, memory, audio_mask))
+
+
+def build_speech_recognizer(config: dict[str, Any], tokenizers: dict[str, Any]) -> SpeechRecognizer:
+    """Export builder (config.json "builder": "omni.speech:build_speech_recognizer")."""
+    return SpeechRecognizer(tokenizers["audio"], tokenizers["text"], TrunkConfig(**config["encoder"]),
+                            TrunkConfig(**config["decoder"]))
+
+
+# ----------------------------------------------------------------------------------------------------
+# Batches
+
+
+@dataclass
+class SpeechBatch:
+    """A padded batch: audio (B, S, F) float, audio_mask (B, S) bool, text (B, T) int64 decoder input,
+    targets (B, T) int64 next-token ids with -100 where nothing is predicted, keys (B sample names)."""
+
+    audio: Tensor
+    audio_mask: Tensor
+    text: Tensor
+    targets: Tensor
+    keys: list[str]
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> "SpeechBatch":
+        move = lambda t: t.to(device, non_blocking=non_blocking)  # noqa: E731
+        return SpeechBatch(move(self.audio), move(self.audio_mask), move(self.text), move(self.targets), self.keys)
+
+    @property
+    def num_documents(self) -> int:  # Trainer sample count
+        return int(self.audio.shape[0])
+
+    @property
+    def document(self) -> Tensor:
+        """0 for every real (audio or target) token, -1 for padding: the Trainer's tokens/s counter."""
+        real = torch.cat([self.audio_mask.flatten(), (self.targets != IGNORE_INDEX).flatten()])
+        return real.long() - 1
+
+
+def pad_audio(items: Sequence[Tensor], pad_multiple: int = 8) -> tuple[Tensor, Tensor]:
+    """(n_i, F) token tensors -> (B, S, F) zero-padded, mask (B, S) True = real; S rounded up to a
+    multiple of ``pad_multiple`` (fewer distinct shapes for compiled kernels)."""
+    if not items:
+        raise ValueError("pad_audio got no clips")
+    S = max(t.shape[0] for t in items)
+    S = -(-S // pad_multiple) * pad_multiple
+    out = items[0].new_zeros(len(items), S, items[0].shape[1])
+    mask = torch.zeros(len(items), S, dtype=torch.bool)
+    for i, t in enumerate(items):
+        out[i, :t.shape[0]] = t
+        mask[i, :t.shape[0]] = True
+    return out, mask
+
+
+class SpeechCollate:
+    """List of ``{"audio": (n, F), "text": (m,), "targets": (m,), "key"}`` -> SpeechBatch (picklable)."""
+
+    def __init__(self, pad_id: int, pad_multiple: int = 8) -> None:
+        self.pad_id, self.pad_multiple = pad_id, pad_multiple
+
+    def __call__(self, items: list[dict[str, Any]]) -> SpeechBatch:
+        audio, mask = pad_audio([it["audio"] for it in items], self.pad_multiple)
+        T = max(it["text"].shape[0] for it in items)
+        text = torch.full((len(items), T), self.pad_id, dtype=torch.int64)
+        targets = torch.full((len(items), T), IGNORE_INDEX, dtype=torch.int64)
+        for i, it in enumerate(items):
+            text[i, :it["text"].shape[0]] = it["text"]
+            targets[i, :it["targets"].shape[0]] = it["targets"]
+        return SpeechBatch(audio, mask, text, targets, [str(it["key"]) for it in items])
+
+
+def speech_example(audio_tok: AudioTokenizer, text_tok: TextTokenizer, audio: Any, transcript: str,
+                   key: str = "") -> dict[str, Any]:
+    """One (audio, transcript) pair -> the dict SpeechCollate batches."""
+    seg = audio_tok.encode(audio, key=key)
+    txt = text_tok.encode(transcript, key=key, task=TASK)
+    return {"audio": seg.tokens, "text": txt.tokens, "targets": txt.targets, "key": key}
+
+
+def speech_loss(model: nn.Module, batch: SpeechBatch) -> tuple[Tensor, dict[str, Tensor]]:
+    """Mean next-token cross-entropy over real target positions, and token accuracy."""
+    logits = model(batch.audio, batch.audio_mask, batch.text)
+    keep = batch.targets != IGNORE_INDEX
+    loss = F.cross_entropy(logits[keep].float(), batch.targets[keep])
+    acc = (logits[keep].argmax(-1) == batch.targets[keep]).float().mean()
+    return loss, {"token_accuracy": acc}
+
+
+# ----------------------------------------------------------------------------------------------------
+# Decoding
+
+
+def _limits(model: SpeechRecognizer, audio_mask: Tensor | None, batch: int, max_new_tokens: int,
+            tokens_per_second: float | None, device: torch.device) -> Tensor:
+    """Per-row cap on generated tokens (eos included): max_new_tokens, and for audio of s seconds at most
+    ceil(tokens_per_second * s) + 8 (a hallucination guard that scales with the clip)."""
+    limit = torch.full((batch,), max_new_tokens, dtype=torch.long, device=device)
+    if tokens_per_second is not None and audio_mask is not None:
+        seconds = audio_mask.sum(1).float() / model.tokens_per_second
+        limit = torch.minimum(limit, (seconds * tokens_per_second).ceil().long() + 8)
+    return limit.clamp(min=1)
+
+
+def _repeated_tail(out: Tensor, t: int, max_period: int, max_repeats: int) -> Tensor:
+    """(B,) length to keep for rows whose tokens out[:, :t+1] end in ``max_repeats`` copies of one block
+    of p <= max_period tokens (first copy kept), else -1."""
+    keep = torch.full((out.shape[0],), -1, dtype=torch.long, device=out.device)
+    for p in range(max_period, 0, -1):  # shorter periods win (assigned last): "a a a a" keeps one "a"
+        w = p * max_repeats
+        if t + 1 < w:
+            continue
+        tail = out[:, t + 1 - w:t + 1]
+        hit = (tail[:, p:] == tail[:, :-p]).all(1)
+        keep = torch.where(hit, torch.full_like(keep, t + 1 - (max_repeats - 1) * p), keep)
+    return keep
+
+
+@torch.no_grad()
+def greedy_decode(model: SpeechRecognizer, memory: Tensor, audio_mask: Tensor | None = None, *,
+                  max_new_tokens: int = 224, tokens_per_second: float | None = 25.0,
+                  max_period: int = 8, max_repeats: int | None = 4, use_cache: bool = True,
+                  check_every: int = 1) -> list[list[int]]:
+    """Batched greedy decoding. memory (B, S, d) from ``model.encode``; returns the generated ids of each
+    row (prompt and eos excluded). ``use_cache=False`` recomputes the whole prefix every step (the
+    reference the cached path must match token for token). ``check_every`` steps between host syncs
+    that stop once every row is done (larger = fewer syncs on GPU, identical output)."""
+    B, dev = memory.shape[0], memory.device
+    prompt = torch.tensor(model.prompt, device=dev).expand(B, -1)
+    limit = _limits(model, audio_mask, B, max_new_tokens, tokens_per_second, dev)
+    steps = int(limit.max())
+    cache = model.decoder.new_cache(B, prompt.shape[1] + steps, dtype=memory.dtype) if use_cache else None
+    out = torch.full((B, steps), model.pad_id, dtype=torch.long, device=dev)
+    length = limit.clone()  # tokens kept per row
+    done = torch.zeros(B, dtype=torch.bool, device=dev)
+    h = model.decode_hidden(prompt, memory, audio_mask, cache)
+    for t in range(steps):
+        nxt = model.head(h[:, -1]).argmax(-1)
+        nxt = torch.where(done, torch.full_like(nxt, model.pad_id), nxt)
+        out[:, t] = nxt
+        ended = ~done & (nxt == model.eos_id)
+        length = torch.where(ended, torch.full_like(length, t), length)
+        if max_repeats is not None:
+            keep = _repeated_tail(out, t, max_period, max_repeats)
+            rep = ~done & ~ended & (keep >= 0)
+            length = torch.where(rep, keep, length)
+            ended = ended | rep
+        done = done | ended | (t + 1 >= limit)
+        if t + 1 == steps or ((t + 1) % check_every == 0 and bool(done.all())):
+            break
+        if cache is not None:
+            h = model.decode_hidden(nxt[:, None], None, audio_mask, cache)
+        else:
+            h = model.decode_hidden(torch.cat([prompt, out[:, :t + 1]], 1), memory, audio_mask)
+    lengths = length.tolist()
+    return [row[:n] for row, n in zip(out.tolist(), lengths)]
+
+
+def _length_normalised(score: float, length: int, alpha: float) -> float:
+    """GNMT length penalty: score / ((5 + length) / 6) ** alpha (alpha 0 = raw log-probability)."""
+    return score / (((5.0 + length) / 6.0) ** alpha)
+
+
+def _repeat_keep(seq: list[int], max_period: int, max_repeats: int) -> int:
+    """Host version of _repeated_tail for one sequence: length to keep, or -1."""
+    keep = -1
+    for p in range(max_period, 0, -1):
+        w = p * max_repeats
+        if len(seq) >= w and all(seq[-w + i] == seq[-w + i + p] for i in range(w - p)):
+            keep = len(seq) - (max_repeats - 1) * p
+    return keep
+
+
+@torch.no_grad()
+def beam_search(model: SpeechRecognizer, memory: Tensor, audio_mask: Tensor | None = None, *,
+                beam_size: int = 4, length_penalty: float = 1.0, max_new_tokens: int = 224,
+                tokens_per_second: float | None = 25.0, max_period: int = 8,
+                max_repeats: int | None = 4) -> list[list[int]]:
+    """Batched beam search with the KV cache (beams of a row share its cross-attention K/V; the
+    self-attention cache is reordered by beam each step). Each step every live row takes the 2K best
+    (beam, token) continuations: eos ones among the top K finish a hypothesis (scored by the GNMT
+    ``length_penalty``), the best K others continue. A row stops once K hypotheses finished or its
+    token limit is reached (live beams then finish as they are). beam_size=1 is exactly greedy."""
+    if beam_size < 1:
+        raise ValueError(f"beam_size must be >= 1, got {beam_size}")
+    B, K, dev = memory.shape[0], beam_size, memory.device
+    V = model.vocab_size
+    mem = memory.repeat_interleave(K, 0)
+    mask = None if audio_mask is None else audio_mask.repeat_interleave(K, 0)
+    limit = _limits(model, audio_mask, B, max_new_tokens, tokens_per_second, dev).tolist()
+    steps = max(limit)
+    prompt = torch.tensor(model.prompt, device=dev).expand(B * K, -1)
+    cache = model.decoder.new_cache(B * K, prompt.shape[1] + steps, dtype=memory.dtype)
+    h = model.decode_hidden(prompt, mem, mask, cache)
+    scores = torch.full((B, K), float("-inf"), device=dev)
+    scores[:, 0] = 0.0  # all beams start identical: expand from one only
+    seqs: list[list[list[int]]] = [[[] for _ in range(K)] for _ in range(B)]
+    finished: list[list[tuple[float, list[int]]]] = [[] for _ in range(B)]
+    live = [True] * B
+    for t in range(steps):
+        logp = model.head(h[:, -1]).float().log_softmax(-1).view(B, K, V)
+        cand = (scores[..., None] + logp).view(B, K * V)
+        top_s, top_i = cand.topk(min(2 * K, K * V), dim=-1)
+        top_s, top_i = top_s.tolist(), top_i.tolist()
+        src = [b * K for b in range(B) for _ in range(K)]
+        tokens = [model.pad_id] * (B * K)
+        new_scores = [[float("-inf")] * K for _ in range(B)]
+        new_seqs: list[list[list[int]]] = [[[] for _ in range(K)] for _ in range(B)]
+        for b in range(B):
+            if not live[b]:
+                continue
+            n = 0
+            for rank, (s, i) in enumerate(zip(top_s[b], top_i[b])):
+                if s == float("-inf"):
+                    break
+                k, v = divmod(i, V)
+                if v == model.eos_id:
+                    if rank < K:
+                        seq = seqs[b][k]
+                        finished[b].append((_length_normalised(s, len(seq) + 1, length_penalty), seq))
+                    continue
+                seq = seqs[b][k] + [v]
+                keep = _repeat_keep(seq, max_period, max_repeats) if max_repeats is not None else -1
+                if keep >= 0:  # a repetition loop: finish with the first copy only
+                    finished[b].append((_length_normalised(s, len(seq), length_penalty), seq[:keep]))
+                    continue
+                src[b * K + n], tokens[b * K + n] = b * K + k, v
+                new_scores[b][n], new_seqs[b][n] = s, seq
+                n += 1
+                if n == K:
+                    break
+            if len(finished[b]) >= K or t + 1 >= limit[b]:
+                if len(finished[b]) < K:  # token limit: live beams finish as they are
+                    finished[b].extend((_length_normalised(s, len(q), length_penalty), q)
+                                       for s, q in zip(new_scores[b], new_seqs[b]) if s > float("-inf"))
+                live[b] = False
+        if not any(live):
+            break
+        seqs = new_seqs
+        scores = torch.tensor(new_scores, device=dev)
+        index = torch.tensor(src, device=dev)
+        cache.k, cache.v = cache.k.index_select(1, index), cache.v.index_select(1, index)
+        cache.valid = cache.valid.index_select(0, index)
+        h = model.decode_hidden(torch.tensor(tokens, device=dev)[:, None], None, mask, cache)
+    return [max(f, key=lambda x: x[0])[1] if f else [] for f in finished]
+
+
+@torch.no_grad()
+def transcribe_batch(model: SpeechRecognizer, text_tok: TextTokenizer, audio: Tensor, audio_mask: Tensor, *,
+                     beam_size: int = 1, length_penalty: float = 1.0, **guards: Any) -> list[str]:
+    """Padded audio tokens (B, S, F) + mask -> transcripts (greedy for beam_size 1, else beam search)."""
+    memory = model.encode(audio, audio_mask)
+    if beam_size == 1:
+        ids = greedy_decode(model, memory, audio_mask, **guards)
+    else:
+        ids = beam_search(model, memory, audio_mask, beam_size=beam_size, length_penalty=length_penalty, **guards)
+    return [text_tok.decode(row) for row in ids]
+
+
+# ----------------------------------------------------------------------------------------------------
+# Long audio
+
+
+def split_windows(wave: Tensor, sample_rate: int, window_seconds: float = 30.0, search_seconds: float = 5.0,
+                  frame_seconds: float = 0.02) -> list[tuple[int, int]]:
+    """[start, end) sample ranges covering ``wave`` (samples,), each at most ``window_seconds`` long.
+    A window longer than the limit is cut at the centre of its quietest ``frame_seconds`` frame (lowest
+    RMS, hop = half a frame) inside the last ``search_seconds`` before the limit: cuts land in pauses."""
+    n = int(wave.shape[0])
+    W = int(window_seconds * sample_rate)
+    if W < 1:
+        raise ValueError(f"window_seconds={window_seconds} is below one sample")
+    frame = max(1, int(frame_seconds * sample_rate))
+    hop = max(1, frame // 2)
+    search = min(int(search_seconds * sample_rate), W - frame)
+    windows, start = [], 0
+    while n - start > W:
+        lo = start + W - max(search, 0) - frame // 2
+        region = wave[max(lo - frame // 2, start):start + W].float()
+        if region.shape[0] >= frame:
+            rms = region.unfold(0, frame, hop).pow(2).mean(1)
+            # the latest among equally quiet frames: longer windows, fewer of them
+            best = int(rms.shape[0] - 1 - torch.argmin(rms.flip(0)))
+            cut = max(lo - frame // 2, start) + best * hop + frame // 2
+        else:
+            cut = start + W
+        cut = min(max(cut, start + 1), start + W)
+        windows.append((start, cut))
+        start = cut
+    windows.append((start, n))
+    return windows
+
+
+# ----------------------------------------------------------------------------------------------------
+# Inference on files (omni transcribe)
+
+
+def read_audio_file(path: str | os.PathLike, sample_rate: int = 16000) -> Tensor:
+    """Mono float waveform at ``sample_rate`` of any file libsndfile reads (WAV, FLAC, MP3, OGG ...), any
+    rate and channel count. Raises FileNotFoundError / ValueError naming the file for a missing, empty
+    (0 bytes or 0 samples), undecodable or silent (peak below -80 dBFS) file."""
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"{p}: no such audio file")
+    if p.stat().st_size == 0:
+        raise ValueError(f"{p}: the file is empty (0 bytes)")
+    try:
+        wave = load_audio(str(p), sample_rate=sample_rate, key=str(p))
+    except (ValueError, TypeError) as exc:
+        msg = str(exc)
+        if "audio is empty" in msg:
+            raise ValueError(f"{p}: the audio has no samples") from exc
+        raise ValueError(f"{p}: cannot decode as audio ({msg})") from exc
+    peak = float(wave.abs().max())
+    if peak < SILENCE_PEAK:
+        raise ValueError(f"{p}: the audio is silent (peak amplitude {peak:.2e} < {SILENCE_PEAK:g}); nothing to transcribe")
+    return wave
+
+
+@torch.no_grad()
+def transcribe_waveforms(model: SpeechRecognizer, audio_tok: AudioTokenizer, text_tok: TextTokenizer,
+                         waves: Sequence[Tensor], *, keys: Sequence[str] | None = None, batch_size: int = 16,
+                         beam_size: int = 1, length_penalty: float = 1.0, window_seconds: float | None = None,
+                         **guards: Any) -> list[str]:
+    """Mono waveforms at ``audio_tok.sample_rate`` (any length) -> transcripts. Long clips are split by
+    ``split_windows`` (window = the tokenizer's max_seconds, 30 s); all windows of all clips are sorted by
+    length and decoded in batches of ``batch_size``; a clip's window texts are joined with one space."""
+    keys = list(keys) if keys is not None else [str(i) for i in range(len(waves))]
+    window = window_seconds or audio_tok.max_seconds or 30.0
+    items: list[tuple[int, int, Tensor]] = []  # (clip, window index, tokens)
+    for c, (wave, key) in enumerate(zip(waves, keys)):
+        for w, (a, b) in enumerate(split_windows(wave, audio_tok.sample_rate, window)):
+            seg = audio_tok.encode((wave[a:b], audio_tok.sample_rate), key=f"{key}[{a}:{b}]")
+            items.append((c, w, seg.tokens))
+    order = sorted(range(len(items)), key=lambda i: items[i][2].shape[0])
+    texts: dict[tuple[int, int], str] = {}
+    dev = next(model.parameters()).device
+    for lo in range(0, len(order), batch_size):
+        chunk = [items[i] for i in order[lo:lo + batch_size]]
+        audio, mask = pad_audio([it[2] for it in chunk])
+        out = transcribe_batch(model, text_tok, audio.to(dev), mask.to(dev), beam_size=beam_size,
+                               length_penalty=length_penalty, **guards)
+        texts.update({(c, w): s for (c, w, _), s in zip(chunk, out)})
+    result = []
+    for c in range(len(waves)):
+        parts = [texts[(cc, w)].strip() for (cc, w) in sorted(k for k in texts if k[0] == c)]
+        result.append(" ".join(p for p in parts if p))
+    return result
+
+
+def load_recognizer(checkpoint: str | os.PathLike, device: str | torch.device | None = None
+                    ) -> tuple[SpeechRecognizer, AudioTokenizer, TextTokenizer]:
+    """The exported model (recipes/whisper.py writes runs/whisper/final) and its tokenizers."""
+    from omni.export import load_pretrained, load_tokenizers
+
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    model = load_pretrained(checkpoint, device=device)
+    toks = load_tokenizers(checkpoint)
+    if not isinstance(model, SpeechRecognizer) or "audio" not in toks or "text" not in toks:
+        raise ValueError(f"{checkpoint}: not a speech recognition export (see recipes/whisper.py)")
+    return model, toks["audio"], toks["text"]
+
+
+def transcribe_files(checkpoint: str | os.PathLike, files: Sequence[str | os.PathLike], *, beam_size: int = 1,
+                     length_penalty: float = 1.0, batch_size: int = 16, device: str | None = None,
+                     max_new_tokens: int = 224) -> list[str]:
+    """Transcribe audio files (WAV, FLAC, MP3, OGG ...; any rate, channels, length) with an exported model.
+    Every file is read and checked first, so a bad file fails before any decoding, naming the file."""
+    model, audio_tok, text_tok = load_recognizer(checkpoint, device)
+    waves = [read_audio_file(f, audio_tok.sample_rate) for f in files]
+    return transcribe_waveforms(model, audio_tok, text_tok, waves, keys=[str(f) for f in files],
+                                batch_size=batch_size, beam_size=beam_size, length_penalty=length_penalty,
+                                max_new_tokens=max_new_tokens)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Metrics
+
+_APOSTROPHES = str.maketrans({"\u2019": "'", "\u2018": "'", "\u02bc": "'", "`": "'"})
+
+
+def normalize_text(text: str) -> str:
+    """The WER/CER normalisation: Unicode NFKC; lower case; curly/backtick apostrophes -> '; every
+    character that is not a letter, digit, apostrophe or whitespace -> a space (so "well,then" is two
+    words); apostrophes kept only between two letters or digits ("don't" stays, 'quoted' loses its
+    quotes); whitespace runs collapsed to one space and stripped."""
+    s = unicodedata.normalize("NFKC", text).lower().translate(_APOSTROPHES)
+    s = "".join(c if c.isalnum() or c == "'" or c.isspace() else " " for c in s)
+    s = re.sub(r"(?<![^\W_])'|'(?![^\W_])", " ", s)  # drop apostrophes not inside a word
+    return " ".join(s.split())
+
+
+def edit_distance(ref: Sequence[Any], hyp: Sequence[Any]) -> int:
+    """Levenshtein distance (substitutions + deletions + insertions)."""
+    if len(ref) < len(hyp):
+        ref, hyp = hyp, ref
+    prev = list(range(len(hyp) + 1))
+    for i, r in enumerate(ref, 1):
+        cur = [i] + [0] * len(hyp)
+        for j, h in enumerate(hyp, 1):
+            cur[j] = min(prev[j] + 1, cur[j - 1] + 1, prev[j - 1] + (r != h))
+        prev = cur
+    return prev[-1]
+
+
+def error_counts(reference: str, hypothesis: str) -> tuple[int, int, int, int]:
+    """(word edits, reference words, char edits, reference chars) after ``normalize_text``; characters
+    include the single spaces between words."""
+    r, h = normalize_text(reference), normalize_text(hypothesis)
+    return edit_distance(r.split(), h.split()), len(r.split()), edit_distance(r, h), len(r)
+
+
+def error_rates(references: Sequence[str], hypotheses: Sequence[str]) -> dict[str, float]:
+    """Corpus WER and CER: total edits / total reference words (characters), texts normalised by
+    ``normalize_text``. An all-empty reference gives 0.0 for an empty hypothesis, else inf."""
+    if len(references) != len(hypotheses):
+        raise ValueError(f"{len(references)} references but {len(hypotheses)} hypotheses")
+    we = wn = ce = cn = 0
+    for ref, hyp in zip(references, hypotheses):
+        a, b, c, d = error_counts(ref, hyp)
+        we, wn, ce, cn = we + a, wn + b, ce + c, cn + d
+
+    def rate(e: int, n: int) -> float:
+        return e / n if n else (0.0 if e == 0 else math.inf)
+
+    return {"wer": rate(we, wn), "cer": rate(ce, cn)}
+
+
+__all__ = [
+    "SpeechBatch", "SpeechCollate", "SpeechRecognizer", "beam_search", "build_speech_recognizer",
+    "edit_distance", "error_counts", "error_rates", "greedy_decode", "load_recognizer", "normalize_text",
+    "pad_audio", "read_audio_file", "speech_example", "speech_loss", "split_windows", "transcribe_batch",
+    "transcribe_files", "transcribe_waveforms",
+]
