@@ -96,7 +96,7 @@ def save_pretrained(model: nn.Module, directory: str | os.PathLike, config: Mapp
             tok.save(tmp / TOKENIZERS_DIR / name)
         with open(tmp / CONFIG_NAME, "w") as f:
             f.write(text)
-        _fsync_tree(tmp)
+        fsync_tree(tmp)
         if directory.exists():  # replace an earlier export: move it aside, swap, delete
             old = directory.with_name(f".{directory.name}.old-{os.getpid()}-{time.monotonic_ns()}")
             os.replace(directory, old)
@@ -151,7 +151,17 @@ def load_pretrained(directory: str | os.PathLike, build: Builder | None = None, 
     return model.to(device).eval()
 
 
-def _fsync_tree(directory: Path) -> None:
+def fsync_dir(directory: Path) -> None:
+    """Flush a directory entry (renames and new files inside it) to disk."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(directory: Path) -> None:
+    """Flush every file below ``directory``, then the directory itself."""
     for p in sorted(directory.rglob("*")):
         if p.is_file():
             fd = os.open(p, os.O_RDONLY)
@@ -159,11 +169,7 @@ def _fsync_tree(directory: Path) -> None:
                 os.fsync(fd)
             finally:
                 os.close(fd)
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_dir(directory)
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -246,25 +246,6 @@ def _write_json(path: Path, payload: Any) -> None:
     os.replace(tmp, path)
 
 
-def _fsync_tree(directory: Path) -> None:
-    for p in sorted(directory.rglob("*")):
-        if p.is_file():
-            fd = os.open(p, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-    _fsync_dir(directory)
-
-
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _remove_dir(path: Path) -> None:
     """Rename away, then delete: an interrupted delete never leaves a directory that looks valid."""
     trash = path.with_name(f".trash-{path.name}-{os.getpid()}-{time.monotonic_ns()}")
@@ -569,13 +550,13 @@ class Trainer:
         acc.wait_for_everyone()
         if acc.is_main_process:
             _write_json(tmp / TRAINER_STATE, self._state_payload())
-            _fsync_tree(tmp)
+            _export.fsync_tree(tmp)
             _write_json(tmp / COMPLETE_MARKER, {"step": self.step})
-            _fsync_dir(tmp)
+            _export.fsync_dir(tmp)
             if final.exists():  # a checkpoint of this step from an earlier (non-resumed) run
                 _remove_dir(final)
             os.replace(tmp, final)
-            _fsync_dir(self.checkpoint_root)
+            _export.fsync_dir(self.checkpoint_root)
             if self.config.keep_checkpoints > 0:
                 for _, old in list_checkpoints(self.output_dir)[:-self.config.keep_checkpoints]:
                     _remove_dir(old)

@@ -17,7 +17,6 @@ dataset manifest (``omni data gym`` measures them). Prints a Markdown table and 
 from __future__ import annotations
 
 import argparse
-import ast
 import json
 import sys
 import time
@@ -27,6 +26,7 @@ from typing import Any
 
 import torch
 
+from omni.config import apply_overrides
 from omni.data.shards import read_manifest
 from omni.rl import (
     DecisionTransformer,
@@ -87,14 +87,10 @@ def parse_args(argv=None) -> dict:
     for name in ("env", "data", "out"):
         if getattr(args, name):
             cfg[name] = getattr(args, name)
-    for item in args.set:
-        key, sep, value = item.partition("=")
-        if not sep or key not in cfg:
-            ap.error(f"--set {item!r}: expected KEY=VALUE with KEY one of {', '.join(sorted(cfg))}")
-        try:
-            cfg[key] = ast.literal_eval(value)
-        except (ValueError, SyntaxError):
-            cfg[key] = value
+    try:
+        apply_overrides(cfg, args.set)
+    except ValueError as exc:
+        ap.error(str(exc))
     unknown = set(cfg["methods"]) - {"dt", "bc", "fbc"}
     if unknown:
         ap.error(f"methods: unknown {sorted(unknown)}; choose from dt, bc, fbc")

@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import argparse
-import ast
 import math
 import sys
 import time
@@ -21,6 +20,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from omni.config import apply_overrides
 from omni.data.memory import TensorLoader, materialise
 from omni.data.reader import ShardLoader
 from omni.data.shards import read_manifest
@@ -48,7 +48,7 @@ PRESETS: dict[str, dict] = {
                  eval_every_epochs=0, checkpoint_every_epochs=0, limit_train=2048, limit_eval=512),
     # Fashion-MNIST on a 2-core CPU in about ten minutes.
     "fmnist-cpu": dict(trunk="tiny", trunk_overrides=dict(d_model=128, n_layers=4, n_heads=4), patch=7,
-                       batch_size=128, epochs=3, lr=2e-3, warmup_epochs=0.3, erase_prob=0.0, pad=1,
+                       batch_size=128, epochs=8, lr=2e-3, warmup_epochs=0.5, erase_prob=0.0, pad=1,
                        eval_every_epochs=1.0),
     # Fashion-MNIST on one H100: small ViT, patch 4 (7x7 tokens), strong augmentation, many epochs.
     "fmnist": dict(trunk="S", trunk_overrides=dict(d_model=256, n_layers=8, n_heads=8), patch=4, batch_size=512,
@@ -78,14 +78,10 @@ def parse_args(argv=None) -> dict:
         cfg.update(data=args.data, build=None)
     if args.out:
         cfg["out"] = args.out
-    for item in args.set:
-        key, sep, value = item.partition("=")
-        if not sep or key not in cfg:
-            ap.error(f"--set {item!r}: expected KEY=VALUE with KEY one of {', '.join(sorted(cfg))}")
-        try:
-            cfg[key] = ast.literal_eval(value)
-        except (ValueError, SyntaxError):
-            cfg[key] = value
+    try:
+        apply_overrides(cfg, args.set)
+    except ValueError as exc:
+        ap.error(str(exc))
     if cfg["data"] is None:
         ap.error(f"preset {name!r} needs --data DIR (shards from `omni data images`)")
     return cfg

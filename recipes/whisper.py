@@ -22,7 +22,6 @@ and written to <out>/eval.json.
 from __future__ import annotations
 
 import argparse
-import ast
 import json
 import math
 import sys
@@ -33,6 +32,7 @@ from typing import Any
 
 import torch
 
+from omni.config import apply_overrides
 from omni.data.reader import ShardLoader
 from omni.data.shards import read_manifest
 from omni.speech import (SpeechCollate, SpeechRecognizer, error_counts, greedy_decode, speech_example,
@@ -78,14 +78,10 @@ def parse_args(argv=None) -> dict:
         cfg.update(data=args.data, build=None)
     if args.out:
         cfg["out"] = args.out
-    for item in args.set:
-        key, sep, value = item.partition("=")
-        if not sep or key not in cfg:
-            ap.error(f"--set {item!r}: expected KEY=VALUE with KEY one of {', '.join(sorted(cfg))}")
-        try:
-            cfg[key] = ast.literal_eval(value)
-        except (ValueError, SyntaxError):
-            cfg[key] = value
+    try:
+        apply_overrides(cfg, args.set)
+    except ValueError as exc:
+        ap.error(str(exc))
     return cfg
 
 

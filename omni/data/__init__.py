@@ -4,7 +4,7 @@
   librispeech, gym, minari, text) that write ``<out>/<split>-NNNNNN.tar`` + ``manifest.json``;
 * ``omni.data.shards``: the manifest format, atomic shard writing, and for readers
   ``read_manifest`` / ``shard_urls`` (only shards listed in a complete manifest are trusted);
-* ``omni.data.cli``: the command line (``python -m omni.data.cli data ...``).
+* ``omni.data.cli``: the ``omni data ...`` / ``omni tokenizer fit`` subcommands of the ``omni`` command.
 
 Builders import their heavy dependencies lazily, so importing this package stays cheap.
 """

@@ -1,8 +1,7 @@
 """Command line of the dataset builders: ``omni data BUILDER ...`` and ``omni tokenizer fit ...``.
 
 ``add_data_commands(subparsers)`` / ``add_tokenizer_commands(subparsers)`` attach the commands to
-an argparse sub-parser group (the ``omni`` console script does that); ``python -m omni.data.cli``
-runs them stand-alone. Each command sets ``func(args) -> int`` (exit status); builder errors
+an argparse sub-parser group (the ``omni`` console script, omni/cli.py, does that). Each command sets ``func(args) -> int`` (exit status); builder errors
 (bad input, missing data) print one ``error:`` line and return 2 instead of a traceback.
 """
 
@@ -10,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 from omni.data.shards import DatasetError
 
@@ -275,20 +274,3 @@ def add_tokenizer_commands(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="folder to save into, e.g. tokenizers/NAME")
     p.set_defaults(func=_runner("tokenizer fit", _fit))
     return tok
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m omni.data.cli", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-    add_data_commands(sub)
-    add_tokenizer_commands(sub)
-    return parser
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    return int(args.func(args) or 0)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
