@@ -182,6 +182,17 @@ def unwrap(model: nn.Module) -> nn.Module:
             return model
 
 
+def process_state() -> Any:
+    """Accelerate's PartialState for recipes that need the rank before building the Trainer (data
+    splitting, building datasets once). It honours ACCELERATE_USE_CPU as Accelerator does: a bare
+    PartialState() ignores it, and since the state is a process-wide singleton, a later Accelerator
+    would then see a single-process state on every CPU rank (torchrun / accelerate launch --cpu)."""
+    from accelerate import PartialState
+    from accelerate.utils import parse_flag_from_env
+
+    return PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU"))
+
+
 def seed_everything(seed: int) -> None:
     """Seed python, numpy and torch (all devices): call before building the model."""
     random.seed(seed)

@@ -41,7 +41,7 @@ from omni.rl import (
     summarize_returns,
     top_episodes,
 )
-from omni.train import TrainConfig, Trainer, unwrap
+from omni.train import TrainConfig, Trainer, process_state, unwrap
 from omni.trunk import preset
 
 # ---------------------------------------------------------------------------------------------------
@@ -131,9 +131,7 @@ def references(manifest: dict, episodes: list[dict]) -> tuple[tuple[float, float
 def train_one(cfg: dict, tok, episodes: list[dict], method: str, seed: int, device: torch.device):
     use_returns = method == "dt"
     data = encode_episodes(tok, episodes, short=cfg["short"]).to(device)
-    from accelerate import PartialState
-
-    state = PartialState()  # each rank takes its own slice of the windows (accelerate launch)
+    state = process_state()  # each rank takes its own slice of the windows (accelerate launch)
     loader = WindowLoader(data, cfg["batch_size"], context=cfg["context"], use_returns=use_returns, seed=seed,
                           rank=state.process_index, world_size=state.num_processes)
     trunk = preset(cfg["trunk"], positions=cfg["positions"], dropout=cfg["dropout"],
@@ -173,9 +171,7 @@ def markdown(rows: list[dict]) -> str:
 
 def main(argv=None) -> dict:
     cfg = parse_args(argv)
-    from accelerate import PartialState
-
-    state = PartialState()
+    state = process_state()
     device = state.device
     if state.is_main_process:
         manifest, episodes = load_data(cfg)  # builds the dataset once

@@ -25,7 +25,7 @@ from omni.data.memory import TensorLoader, materialise
 from omni.data.reader import ShardLoader
 from omni.data.shards import read_manifest
 from omni.tokenizers.image import ImageTokenizer
-from omni.train import TrainConfig, Trainer, unwrap
+from omni.train import TrainConfig, Trainer, process_state, unwrap
 from omni.trunk import preset
 from omni.vision import BatchAugment, ImageClassifier, mixup_cutmix
 
@@ -171,9 +171,7 @@ def build_data(cfg: dict, rank: int, world: int, device: torch.device):
 
 def main(argv=None) -> dict:
     cfg = parse_args(argv)
-    from accelerate import PartialState
-
-    state = PartialState()
+    state = process_state()
     train_data, eval_data, class_names = build_data(cfg, state.process_index, state.num_processes, state.device)
     n_classes = len(class_names)
     steps_per_epoch = len(train_data)

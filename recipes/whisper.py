@@ -39,7 +39,7 @@ from omni.speech import (SpeechCollate, SpeechRecognizer, error_counts, greedy_d
                          speech_loss)
 from omni.tokenizers.audio import AudioTokenizer
 from omni.tokenizers.text import TextTokenizer
-from omni.train import TrainConfig, Trainer, unwrap
+from omni.train import TrainConfig, Trainer, process_state, unwrap
 from omni.trunk import preset
 
 # ---------------------------------------------------------------------------------------------------
@@ -157,9 +157,7 @@ def make_text_tokenizer(cfg: dict, data: Path, rank: int, world: int) -> TextTok
 
 def main(argv=None) -> dict:
     cfg = parse_args(argv)
-    from accelerate import PartialState
-
-    state = PartialState()
+    state = process_state()
     rank, world = state.process_index, state.num_processes
     data = ensure_data(cfg, rank, world)
     manifest = read_manifest(data / "manifest.json")
