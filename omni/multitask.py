@@ -1,0 +1,556 @@
+"""Many tasks, one trunk: task definitions, the weighted mixing loader and the packed-batch losses.
+
+    tasks = [ClassifyTask("image", image_tok, images, labels, n_classes=10, weight=1.0),
+             TranscribeTask("asr", audio_tok, text_tok, clips, transcripts, weight=1.0),
+             ActionTask("rl", traj_tok, episodes, weight=0.5),
+             LMTask("text", text_tok, paragraphs, weight=1.0)]
+    model = MultitaskModel(tasks, preset("tiny", positions="rope2d"))
+    loader = MixtureLoader(tasks, row_length=512, rows=2, batches_per_epoch=1000, seed=0)
+    loss, metrics = model(next(iter(loader)))      # metrics: {"image/loss", "image/accuracy", "asr/loss", ...}
+
+A *task* is (name, sampling weight, loss weight, items -> Sample, tokenizers, heads, loss on the packed
+batch). Four kinds cover the built-in modalities and any plug-in:
+
+  ClassifyTask   [x segment] of ANY registered modality (image, or a plug-in such as time series) with a
+                 class label -> ClassificationHead (mean-pool over the segment) -> cross-entropy.
+                 The label travels as the segment's per-token targets, so it is collated and moved to
+                 the device with the batch.
+  TranscribeTask [audio segment, text segment "<bos><|transcribe|> ... <eos>"]: the packing rule makes it
+                 a prefix-LM (every transcript token sees the whole clip, the clip never sees the text)
+                 -> LM head tied to the text embedding -> next-token cross-entropy on the transcript.
+  ActionTask     [trajectory segment] (a window of ``context`` steps of an episode, random start) ->
+                 ActionHead read at state rows -> cross-entropy (discrete) / MSE (continuous, the tanh
+                 output rescaled to the action bounds as omni.rl does).
+  LMTask         [text segment] -> the same tied LM head -> next-token cross-entropy.
+
+Per-task losses are means over that task's own targets in the batch; the training loss is
+sum(loss_weight * task loss). Each task's documents are told apart by ``MixedBatch.document_task``, so two
+tasks may share a modality (ASR transcripts and the text corpus are both "text").
+
+Mixing (``MixtureLoader``). A batch is ``rows`` packed rows of ``row_length`` tokens (fixed shapes, so
+compiled kernels see one shape). Batch ``i`` of epoch ``e`` on rank ``r`` is a pure function of
+(seed, e, i, r): first ONE sample of every task (in a random order; so every batch trains every head and
+logs every per-task metric, and DDP never sees unused parameters), then tasks drawn with probability
+proportional to ``weight`` and a uniformly drawn item of that task, each placed first-fit into the rows,
+until ``max_misses`` consecutive draws do not fit. Sampling is with replacement (a mixture has no natural
+epoch; ``batches_per_epoch`` only sets the checkpoint/epoch bookkeeping). Because batches are stateless,
+the loader's state is just (epoch, batches done): exact resume, and ``num_workers`` DataLoader workers can
+build batches in parallel. Drop-on-miss slightly favours short samples near the end of a batch; the
+per-task token share is logged (``<task>/token_share``) so the realised mixture is visible.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, fields
+from typing import Any, Iterator, Mapping, Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from omni.heads import ActionHead, ClassificationHead, LMHead
+from omni.model import OmniModel
+from omni.packing import BLOCK_SIZE, PackedBatch, Packer
+from omni.segment import Sample, Segment
+from omni.tokenizers.base import Tokenizer
+from omni.tokenizers.text import IGNORE_INDEX, TextTokenizer
+from omni.tokenizers.trajectory import TrajectoryTokenizer
+from omni.trunk import TrunkConfig
+
+_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+# ----------------------------------------------------------------------------------------------------
+# The packed batch with per-document task ids
+
+
+@dataclass
+class MixedBatch(PackedBatch):
+    """A PackedBatch whose documents come from several tasks: ``document_task[d]`` is the task index of
+    document ``d`` (in ``task_names`` order)."""
+
+    document_task: Tensor | None = None
+    task_names: tuple[str, ...] = ()
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> "MixedBatch":
+        base = PackedBatch.to(self, device, non_blocking)
+        assert self.document_task is not None
+        return MixedBatch(**{f.name: getattr(base, f.name) for f in fields(PackedBatch)},
+                          document_task=self.document_task.to(device, non_blocking=non_blocking),
+                          task_names=self.task_names)
+
+    def token_task(self, modality: str) -> Tensor:
+        """(N_m,) task index of every packed token of ``modality``."""
+        assert self.document_task is not None
+        return self.document_task[self.segment_document[modality]][self.segment_of[modality]]
+
+    def segment_task(self, modality: str) -> Tensor:
+        """(S_m,) task index of every segment of ``modality``."""
+        assert self.document_task is not None
+        return self.document_task[self.segment_document[modality]]
+
+
+class _AssignedPacker(Packer):
+    """A Packer that uses a row assignment made by the mixing loader (empty rows stay padding)."""
+
+    def __init__(self, row_length: int, rows: list[list[int]]) -> None:
+        super().__init__(row_length=row_length)
+        self._rows = rows
+
+    def rows_for(self, samples: Sequence[Sample]) -> list[list[int]]:
+        return self._rows
+
+
+def pack_mixed(samples: Sequence[Sample], tasks: Sequence[int], task_names: Sequence[str],
+               row_length: int | None = None, rows: list[list[int]] | None = None) -> MixedBatch:
+    """Pack samples (sample ``i`` from task ``tasks[i]``) into a MixedBatch: with ``rows`` (an assignment of
+    sample indices to rows of ``row_length``) as given, else ``Packer(row_length)``'s own packing."""
+    packer = _AssignedPacker(row_length, rows) if rows is not None else Packer(row_length=row_length)
+    assignment = packer.rows_for(samples)
+    order = [i for row in assignment for i in row]  # Packer numbers documents in this order
+    batch = packer(samples)
+    return MixedBatch(**{f.name: getattr(batch, f.name) for f in fields(PackedBatch)},
+                      document_task=torch.tensor([tasks[i] for i in order], dtype=torch.long),
+                      task_names=tuple(task_names))
+
+
+# ----------------------------------------------------------------------------------------------------
+# Tasks
+
+
+class Task:
+    """Base: a named source of Samples plus the heads and loss that train on them.
+
+    Subclasses implement ``tokenizers``, ``__len__``, ``sample(i, rng)``, ``make_heads(model)``,
+    ``head_specs()`` (for export) and ``loss(model, hidden, batch, index)``.
+    """
+
+    kind: str = "task"
+    metric_names: tuple[str, ...] = ()  # the extra metrics ``loss`` returns (besides the loss)
+
+    def __init__(self, name: str, weight: float = 1.0, loss_weight: float = 1.0) -> None:
+        if not _NAME.match(name):
+            raise ValueError(f"task name {name!r} must be an identifier (it names heads and metrics)")
+        if not (weight >= 0 and math.isfinite(weight)):
+            raise ValueError(f"task {name!r}: weight must be a finite number >= 0, got {weight!r}")
+        self.name, self.weight, self.loss_weight = name, float(weight), float(loss_weight)
+
+    def tokenizers(self) -> dict[str, Tokenizer]:
+        raise NotImplementedError
+
+    def __len__(self) -> int:
+        raise NotImplementedError
+
+    def sample(self, i: int, rng: np.random.Generator) -> Sample:
+        raise NotImplementedError
+
+    def make_heads(self, model: OmniModel) -> dict[str, nn.Module]:
+        raise NotImplementedError
+
+    def head_specs(self) -> dict[str, dict[str, Any]]:
+        raise NotImplementedError
+
+    def loss(self, model: OmniModel, hidden: Tensor, batch: MixedBatch, index: int) -> tuple[Tensor, dict[str, Tensor]]:
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.name!r}, weight={self.weight}, items={len(self)})"
+
+
+def _masked_mean(values: Tensor, weights: Tensor) -> Tensor:
+    """sum(values * w) / max(sum(w), 1): static shapes (no boolean indexing) for torch.compile."""
+    return (values * weights).sum() / weights.sum().clamp_min(1.0)
+
+
+class ClassifyTask(Task):
+    """One segment of ``tokenizer``'s modality per sample, one class label -> ClassificationHead.
+
+    ``items[i]`` is a raw input for ``tokenizer.encode`` (encoded when drawn) or an already encoded Segment.
+    """
+
+    kind = "classify"
+    metric_names = ("accuracy",)
+
+    def __init__(self, name: str, tokenizer: Tokenizer, items: Sequence[Any], labels: Sequence[int], n_classes: int,
+                 *, weight: float = 1.0, loss_weight: float = 1.0, pool: str = "mean",
+                 label_smoothing: float = 0.0) -> None:
+        super().__init__(name, weight, loss_weight)
+        if len(items) != len(labels) or not len(items):
+            raise ValueError(f"task {name!r}: {len(items)} items but {len(labels)} labels (need as many, >= 1)")
+        bad = [int(y) for y in labels if not 0 <= int(y) < n_classes]
+        if bad:
+            raise ValueError(f"task {name!r}: labels must lie in [0, {n_classes}), got {bad[:5]}")
+        self.tokenizer, self.items, self.labels = tokenizer, items, [int(y) for y in labels]
+        self.n_classes, self.pool, self.label_smoothing = int(n_classes), pool, float(label_smoothing)
+        self.modality = tokenizer.modality
+
+    def tokenizers(self) -> dict[str, Tokenizer]:
+        return {self.modality: self.tokenizer}
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def sample(self, i: int, rng: np.random.Generator) -> Sample:
+        key = f"{self.name}/{i}"
+        raw = self.items[i]
+        seg = raw if isinstance(raw, Segment) else self.tokenizer.encode(raw, key=key)
+        y = self.labels[i]
+        seg = Segment(seg.modality, seg.tokens, seg.positions, seg.role,
+                      targets=torch.full((len(seg),), y, dtype=torch.long), meta=seg.meta)
+        return Sample([seg], key=key, label=y)
+
+    def make_heads(self, model: OmniModel) -> dict[str, nn.Module]:
+        return {self.name: ClassificationHead(model.trunk_config.d_model, self.n_classes, pool=self.pool)}
+
+    def head_specs(self) -> dict[str, dict[str, Any]]:
+        return {self.name: {"type": "classification", "n_classes": self.n_classes, "pool": self.pool}}
+
+    def logits(self, model: OmniModel, hidden: Tensor, batch: MixedBatch) -> Tensor:
+        """(S_m, n_classes) for every segment of the modality (other tasks' segments included)."""
+        return model.heads[self.name](hidden, batch, self.modality)
+
+    def segment_labels(self, batch: MixedBatch) -> Tensor:
+        """(S_m,) label of every segment (0 for segments without a label of this task)."""
+        m = self.modality
+        n = batch.segment_document[m].shape[0]
+        y = batch.targets[m].long() if m in batch.targets else torch.zeros_like(batch.segment_of[m])
+        return torch.zeros(n, dtype=torch.long, device=y.device).scatter(0, batch.segment_of[m], y)
+
+    def loss(self, model, hidden, batch, index):
+        logits = self.logits(model, hidden, batch).float()
+        y = self.segment_labels(batch)
+        w = (batch.segment_task(self.modality) == index).float()
+        nll = F.cross_entropy(logits, y, reduction="none", label_smoothing=self.label_smoothing)
+        acc = (logits.argmax(-1) == y).float()
+        return _masked_mean(nll, w), {"accuracy": _masked_mean(acc, w)}
+
+
+def _lm_head(model: OmniModel) -> LMHead:
+    table = model.embedders["text"].token
+    return LMHead(model.trunk_config.d_model, table.weight.shape[0], tie_to=table)
+
+
+def _lm_loss(model: OmniModel, head: str, hidden: Tensor, batch: MixedBatch, index: int) -> tuple[Tensor, dict[str, Tensor]]:
+    """Next-token cross-entropy over the text tokens of this task's documents."""
+    logits = model.heads[head](OmniModel.gather(hidden, batch, "text")).float()
+    targets = batch.targets["text"]
+    w = ((batch.token_task("text") == index) & (targets != IGNORE_INDEX)).float()
+    safe = targets.clamp_min(0)  # ignored rows get weight 0; keep the index valid
+    nll = F.cross_entropy(logits, safe, reduction="none")
+    acc = (logits.argmax(-1) == safe).float()
+    return _masked_mean(nll, w), {"token_accuracy": _masked_mean(acc, w)}
+
+
+class LMTask(Task):
+    """Causal language modelling on text documents, LM head tied to the text embedding."""
+
+    kind = "lm"
+    metric_names = ("token_accuracy",)
+
+    def __init__(self, name: str, tokenizer: TextTokenizer, texts: Sequence[str], *, weight: float = 1.0,
+                 loss_weight: float = 1.0) -> None:
+        super().__init__(name, weight, loss_weight)
+        if not len(texts):
+            raise ValueError(f"task {name!r}: no texts")
+        self.tokenizer, self.texts = tokenizer, texts
+
+    def tokenizers(self) -> dict[str, Tokenizer]:
+        return {"text": self.tokenizer}
+
+    def __len__(self) -> int:
+        return len(self.texts)
+
+    def sample(self, i: int, rng: np.random.Generator) -> Sample:
+        key = f"{self.name}/{i}"
+        return Sample([self.tokenizer.encode(self.texts[i], key=key)], key=key)
+
+    def make_heads(self, model: OmniModel) -> dict[str, nn.Module]:
+        return {self.name: _lm_head(model)}
+
+    def head_specs(self) -> dict[str, dict[str, Any]]:
+        return {self.name: {"type": "lm", "vocab_size": self.tokenizer.vocab_size, "tie_to": "text"}}
+
+    def loss(self, model, hidden, batch, index):
+        return _lm_loss(model, self.name, hidden, batch, index)
+
+
+class TranscribeTask(Task):
+    """Speech recognition as a prefix-LM: [audio, <bos><|transcribe|> text <eos>] in one document.
+
+    ``clips[i]`` is raw audio for ``audio.encode`` or an encoded audio Segment (pre-encode small sets:
+    log-mel extraction dominates the CPU cost of a batch)."""
+
+    kind = "transcribe"
+    metric_names = ("token_accuracy",)
+
+    def __init__(self, name: str, audio: Tokenizer, text: TextTokenizer, clips: Sequence[Any],
+                 transcripts: Sequence[str], *, weight: float = 1.0, loss_weight: float = 1.0,
+                 task_token: str = "transcribe") -> None:
+        super().__init__(name, weight, loss_weight)
+        if len(clips) != len(transcripts) or not len(clips):
+            raise ValueError(f"task {name!r}: {len(clips)} clips but {len(transcripts)} transcripts")
+        self.audio, self.text, self.clips, self.transcripts = audio, text, clips, transcripts
+        self.task_token = task_token
+
+    def tokenizers(self) -> dict[str, Tokenizer]:
+        return {"audio": self.audio, "text": self.text}
+
+    def __len__(self) -> int:
+        return len(self.clips)
+
+    def sample(self, i: int, rng: np.random.Generator) -> Sample:
+        key = f"{self.name}/{i}"
+        clip = self.clips[i]
+        audio = clip if isinstance(clip, Segment) else self.audio.encode(clip, key=key)
+        text = self.text.encode(self.transcripts[i], key=key, task=self.task_token)
+        return Sample([audio, text], key=key, label=self.transcripts[i])
+
+    def make_heads(self, model: OmniModel) -> dict[str, nn.Module]:
+        return {self.name: _lm_head(model)}
+
+    def head_specs(self) -> dict[str, dict[str, Any]]:
+        return {self.name: {"type": "lm", "vocab_size": self.text.vocab_size, "tie_to": "text"}}
+
+    def loss(self, model, hidden, batch, index):
+        return _lm_loss(model, self.name, hidden, batch, index)
+
+
+class ActionTask(Task):
+    """Offline RL (Decision-Transformer style): windows of ``tokenizer.context`` steps with a random start,
+    the action predicted at each state row. ``episodes``: dicts as ``omni.rl.load_episodes`` returns."""
+
+    kind = "action"
+
+    def __init__(self, name: str, tokenizer: TrajectoryTokenizer, episodes: Sequence[Mapping[str, Any]], *,
+                 weight: float = 1.0, loss_weight: float = 1.0) -> None:
+        super().__init__(name, weight, loss_weight)
+        if not len(episodes):
+            raise ValueError(f"task {name!r}: no episodes")
+        if not tokenizer.discrete and (tokenizer.action_low is None or tokenizer.action_high is None):
+            raise ValueError(f"task {name!r}: continuous actions need action_low/action_high on the tokenizer")
+        self.tokenizer, self.episodes = tokenizer, episodes
+        self.metric_names = ("accuracy",) if tokenizer.discrete else ()
+        self.lengths = [int(np.asarray(ep["actions"]).shape[0]) for ep in episodes]
+
+    def tokenizers(self) -> dict[str, Tokenizer]:
+        return {"trajectory": self.tokenizer}
+
+    def __len__(self) -> int:
+        return len(self.episodes)
+
+    def sample(self, i: int, rng: np.random.Generator) -> Sample:
+        ep = self.episodes[i]
+        key = f"{self.name}/{ep.get('key', i)}"
+        start = int(rng.integers(0, max(self.lengths[i] - self.tokenizer.context, 0) + 1))
+        return Sample([self.tokenizer.encode(ep, key=key, start=start)], key=f"{key}@{start}")
+
+    def make_heads(self, model: OmniModel) -> dict[str, nn.Module]:
+        tok = self.tokenizer
+        return {self.name: ActionHead(model.trunk_config.d_model, tok.n_action_outputs, tok.discrete)}
+
+    def head_specs(self) -> dict[str, dict[str, Any]]:
+        tok = self.tokenizer
+        return {self.name: {"type": "action", "n_outputs": tok.n_action_outputs, "discrete": tok.discrete}}
+
+    def predict(self, model: OmniModel, hidden: Tensor, batch: MixedBatch) -> Tensor:
+        """Head output at every trajectory token: logits, or actions rescaled to the bounds."""
+        out = model.heads[self.name](OmniModel.gather(hidden, batch, "trajectory"))
+        tok = self.tokenizer
+        if not tok.discrete:
+            low = torch.as_tensor(tok.action_low, dtype=out.dtype, device=out.device)
+            high = torch.as_tensor(tok.action_high, dtype=out.dtype, device=out.device)
+            out = (high + low) / 2 + (high - low) / 2 * out
+        return out
+
+    def loss(self, model, hidden, batch, index):
+        tok = self.tokenizer
+        pred = self.predict(model, hidden, batch).float()
+        tokens, targets = batch.tokens["trajectory"], batch.targets["trajectory"]
+        w = (tok.action_target_mask(tokens) & (batch.token_task("trajectory") == index)).float()
+        if tok.discrete:
+            y = targets[..., 0].round().long()
+            per_row = F.cross_entropy(pred, y, reduction="none")
+            metrics = {"accuracy": _masked_mean((pred.argmax(-1) == y).float(), w)}
+        else:
+            per_row = ((pred - targets.float()) ** 2).mean(-1)
+            metrics = {}
+        return _masked_mean(per_row, w), metrics
+
+
+# ----------------------------------------------------------------------------------------------------
+# The model
+
+
+def merge_tokenizers(tasks: Sequence[Task]) -> dict[str, Tokenizer]:
+    """One tokenizer per modality across tasks; two tasks may share a modality only with equal configs."""
+    out: dict[str, Tokenizer] = {}
+    for t in tasks:
+        for m, tok in t.tokenizers().items():
+            if m in out and out[m] is not tok and (type(out[m]) is not type(tok) or out[m].config() != tok.config()):
+                raise ValueError(f"task {t.name!r} uses a {m!r} tokenizer {tok!r} that differs from another task's "
+                                 f"{out[m]!r}: one trunk has one embedder per modality")
+            out.setdefault(m, tok)
+    return out
+
+
+class MultitaskModel(nn.Module):
+    """OmniModel (embedders -> trunk -> every task's heads) whose forward returns (loss, per-task metrics).
+
+    Everything, heads and losses included, runs inside ``forward``, so DDP and FSDP2 wrap one module and see
+    every parameter used in the forward they hooked. ``model.omni`` is the plain OmniModel (exported)."""
+
+    def __init__(self, tasks: Sequence[Task], trunk: TrunkConfig) -> None:
+        super().__init__()
+        names = [t.name for t in tasks]
+        if len(set(names)) != len(names):
+            raise ValueError(f"task names must be unique, got {names}")
+        self.tasks = list(tasks)
+        self.omni = OmniModel(merge_tokenizers(tasks), trunk)
+        for t in tasks:
+            for name, head in t.make_heads(self.omni).items():
+                self.omni.heads[name] = head
+
+    def export_config(self) -> dict[str, Any]:
+        """config.json for ``omni.export.load_pretrained`` (the built-in "omni" builder) of ``self.omni``."""
+        heads: dict[str, dict[str, Any]] = {}
+        for t in self.tasks:
+            heads.update(t.head_specs())
+        return {"builder": "omni", "trunk": self.omni.trunk_config.to_dict(), "heads": heads,
+                "tasks": {t.name: {"kind": t.kind, "weight": t.weight} for t in self.tasks}}
+
+    def forward(self, batch: MixedBatch, mask: Any = None) -> tuple[Tensor, dict[str, Tensor]]:
+        if tuple(batch.task_names) != tuple(t.name for t in self.tasks):
+            raise ValueError(f"batch tasks {batch.task_names} do not match the model's {[t.name for t in self.tasks]}")
+        hidden = self.omni(batch, mask)  # the packed mask (BlockMask on CUDA) is built once, here
+        total = hidden.new_zeros((), dtype=torch.float32)
+        metrics: dict[str, Tensor] = {}
+        real = (batch.document >= 0).sum().clamp_min(1)
+        n_docs = batch.document_task.shape[0]
+        # tokens per document; padding (-1) lands in slot 0 and is dropped (no data-dependent shapes)
+        doc_tokens = torch.bincount((batch.document + 1).flatten(), minlength=n_docs + 1)[1:n_docs + 1]
+        for i, t in enumerate(self.tasks):
+            if all(m in batch.tokens for m in t.tokenizers()):
+                loss, extra = t.loss(self.omni, hidden, batch, i)
+            else:  # a weight-0 task whose modality this batch lacks: same metric names, zero values
+                loss, extra = total.new_zeros(()), {k: total.new_zeros(()) for k in t.metric_names}
+            total = total + t.loss_weight * loss
+            metrics[f"{t.name}/loss"] = loss.detach()
+            for k, v in extra.items():
+                metrics[f"{t.name}/{k}"] = v.detach()
+            mine = (batch.document_task == i)
+            metrics[f"{t.name}/token_share"] = (doc_tokens * mine).sum() / real
+            metrics[f"{t.name}/documents"] = mine.sum().float()
+        return total, metrics
+
+
+def multitask_loss(model: nn.Module, batch: MixedBatch) -> tuple[Tensor, dict[str, Tensor]]:
+    """Trainer loss_fn: the model's own forward (it computes every task's loss)."""
+    return model(batch)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Mixing
+
+
+class MixtureLoader:
+    """Weighted mixture of tasks packed into fixed (rows, row_length) batches (module docstring).
+
+    Rank-local and stateful (``state_dict``/``load_state_dict``/``set_epoch``), so the Trainer does not
+    re-shard it and resumes it exactly. ``num_workers > 0`` builds batches in DataLoader worker processes.
+    """
+
+    def __init__(self, tasks: Sequence[Task], *, row_length: int, rows: int = 1, batches_per_epoch: int = 1000,
+                 seed: int = 0, rank: int = 0, world_size: int = 1, max_misses: int = 4, num_workers: int = 0,
+                 block_size: int = BLOCK_SIZE) -> None:
+        if row_length % block_size:
+            raise ValueError(f"row_length {row_length} must be a multiple of {block_size}")
+        if rows < 1 or batches_per_epoch < 1:
+            raise ValueError(f"rows and batches_per_epoch must be >= 1, got {rows}, {batches_per_epoch}")
+        active = [t for t in tasks if t.weight > 0]
+        if not active:
+            raise ValueError("every task has weight 0: nothing to sample")
+        self.tasks, self.row_length, self.rows = list(tasks), int(row_length), int(rows)
+        self.batches_per_epoch, self.seed, self.rank, self.world_size = int(batches_per_epoch), seed, rank, world_size
+        self.max_misses, self.num_workers = int(max_misses), int(num_workers)
+        w = np.array([t.weight for t in self.tasks], dtype=np.float64)
+        self.probs = w / w.sum()
+        self.epoch, self.batches_done = 0, 0
+
+    @property
+    def task_names(self) -> tuple[str, ...]:
+        return tuple(t.name for t in self.tasks)
+
+    def __len__(self) -> int:
+        return self.batches_per_epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        if epoch != self.epoch:
+            self.epoch, self.batches_done = epoch, 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "batches_done": self.batches_done}
+
+    def load_state_dict(self, state: Mapping[str, int]) -> None:
+        self.epoch, self.batches_done = int(state["epoch"]), int(state["batches_done"])
+
+    def draw(self, epoch: int, index: int) -> tuple[list[Sample], list[int], list[list[int]]]:
+        """The samples of batch ``index`` of ``epoch`` on this rank, their task indices and row assignment."""
+        rng = np.random.default_rng([self.seed, epoch, index, self.rank])
+        L, samples, tasks = self.row_length, [], []
+        free = [L] * self.rows
+        rows: list[list[int]] = [[] for _ in range(self.rows)]
+
+        def place(t: int, required: bool) -> bool:
+            task = self.tasks[t]
+            s = task.sample(int(rng.integers(len(task))), rng)
+            n = len(s)
+            if n > L:
+                raise ValueError(f"sample {s.key!r} of task {task.name!r} has {n} tokens, more than row_length {L}: "
+                                 f"raise row_length or shorten the task's inputs")
+            r = next((r for r in range(self.rows) if free[r] >= n), None)
+            if r is None:
+                if required:
+                    raise ValueError(f"batch of {self.rows} x {L} tokens cannot hold one sample of every task "
+                                     f"({task.name!r} did not fit): raise rows or row_length")
+                return False
+            rows[r].append(len(samples))
+            free[r] -= n
+            samples.append(s)
+            tasks.append(t)
+            return True
+
+        for t in rng.permutation([i for i, task in enumerate(self.tasks) if task.weight > 0]):
+            place(int(t), required=True)
+        misses = 0
+        while misses < self.max_misses and max(free) > 0:
+            t = int(rng.choice(len(self.tasks), p=self.probs))
+            misses = 0 if place(t, required=False) else misses + 1
+        return samples, tasks, rows
+
+    def batch(self, epoch: int, index: int) -> MixedBatch:
+        samples, tasks, rows = self.draw(epoch, index)
+        return pack_mixed(samples, tasks, self.task_names, self.row_length, rows)
+
+    def __getitem__(self, index: int) -> MixedBatch:  # DataLoader worker entry (epoch set before iterating)
+        return self.batch(self._iter_epoch, index)
+
+    def __iter__(self) -> Iterator[MixedBatch]:
+        self._iter_epoch = self.epoch
+        todo = range(self.batches_done, self.batches_per_epoch)
+        if self.num_workers > 0:
+            it: Any = torch.utils.data.DataLoader(self, batch_size=None, sampler=list(todo), num_workers=self.num_workers,
+                                                  persistent_workers=False)
+        else:
+            it = (self.batch(self.epoch, i) for i in todo)
+        for b in it:
+            self.batches_done += 1
+            yield b
+        self.epoch += 1
+        self.batches_done = 0
+
+
+__all__ = ["ActionTask", "ClassifyTask", "LMTask", "MixedBatch", "MixtureLoader", "MultitaskModel", "Task",
+           "TranscribeTask", "merge_tokenizers", "multitask_loss", "pack_mixed"]

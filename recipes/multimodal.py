@@ -1,0 +1,349 @@
+"""One trunk, four tasks at once: Fashion-MNIST classification, speech recognition (synthesised speech),
+offline RL (a Gymnasium dataset) and text language modelling, every batch PACKING samples of different
+modalities and lengths into fixed rows with the modality-aware mask (omni/packing.py): bidirectional
+inside image/audio spans, causal inside text/action spans, prefix-LM where a transcript follows its audio,
+never across samples. Tasks, mixing and losses: omni/multitask.py.
+
+    python recipes/multimodal.py                          # preset for the device (base on CUDA, tiny on CPU)
+    python recipes/multimodal.py --preset tiny            # CPU smoke run (small data, built on first use)
+    python recipes/multimodal.py --set "weights={'image': 2.0, 'rl': 0.5}" steps=20000
+    accelerate launch --num_processes 8 recipes/multimodal.py --preset base                     # DDP
+    accelerate launch --config_file recipes/accelerate_fsdp2.yaml --num_processes 8 recipes/multimodal.py --preset base
+
+Multi-GPU. ``accelerate launch --num_processes N`` (or ``torchrun --nproc-per-node N``) runs DDP: each rank
+draws its own batches (the mixture is seeded by rank), gradients are averaged. FSDP2 (parameters, gradients
+and optimizer state sharded over ranks, one ``fully_shard`` per trunk ``Block``) comes from the shipped
+Accelerate config ``recipes/accelerate_fsdp2.yaml`` (``distributed_type: FSDP``, ``fsdp_version: 2``,
+transformer-based wrap of ``Block``, bf16): pass it with ``--config_file`` and set ``--num_processes`` to
+the GPU count. Embedders and heads stay in the root FSDP unit, so the LM head tied to the text embedding
+stays one parameter. On CPU, ``accelerate launch --cpu --num_processes 2`` starts ONE process; use
+``ACCELERATE_USE_CPU=1 torchrun --nproc-per-node 2 recipes/multimodal.py`` (gloo) instead.
+
+Tasks (``tasks`` config entry; ``weight`` = sampling weight, ``loss_weight`` = factor on its loss):
+
+  image  classify   Fashion-MNIST (Debian ``dataset-fashion-mnist`` IDX files, else downloaded), patches of
+                    ``patch`` px -> mean-pooled classification head. (A caption-style prefix-LM target would
+                    also work; a head keeps the metric comparable with recipes/vit.py.)
+  asr    transcribe eSpeak NG speech of public-domain Austen sentences, several voices/speeds -> [audio,
+                    <bos><|transcribe|> text <eos>] as a prefix-LM -> LM head tied to the text embedding.
+  rl     action     a Gymnasium dataset recorded by ``omni data gym`` (CartPole-v1 by default; shared with
+                    recipes/decision_transformer.py) -> windows of ``context`` steps -> action head.
+  text   lm         Austen paragraphs (janeaustenr) up to ``max_tokens`` BPE tokens -> the tied LM head.
+
+A fifth modality needs a config change only: a registered tokenizer (built in or an installed plug-in,
+found through the ``omni.tokenizers`` entry point) and a data callable ``"module:function"`` returning
+``(items, labels)`` for a split, e.g.
+
+    --set "extra_tasks={'ts': {'kind': 'classify', 'tokenizer': 'timeseries', 'tokenizer_kwargs': {'patch': 8},
+           'data': 'my_pkg.data:series', 'data_kwargs': {'n': 512}, 'n_classes': 2, 'weight': 1.0}}"
+
+``function(split="train"|"test", seed=int, **data_kwargs)``; kinds ``classify`` (items: raw inputs for the
+tokenizer, labels: ints) and ``lm`` (items: strings, labels ignored).
+
+Per-task metrics (loss, accuracy / token_accuracy, token_share, documents) are logged to TensorBoard as
+``train/<task>/<metric>`` and ``eval/<task>/<metric>`` (held-out data: Fashion-MNIST test, unseen sentences,
+held-out episodes and paragraphs). The final OmniModel (every head) is exported to <out>/final.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from omni.config import apply_overrides
+from omni.multitask import (ActionTask, ClassifyTask, LMTask, MixtureLoader, MultitaskModel, Task, TranscribeTask,
+                            merge_tokenizers, multitask_loss)
+from omni.segment import Segment
+from omni.train import TrainConfig, Trainer, process_state, unwrap
+from omni.trunk import preset
+
+# ---------------------------------------------------------------------------------------------------
+# Config. Every entry can be overridden with --set key=value.
+
+TASKS: dict[str, dict[str, Any]] = {
+    "image": dict(kind="classify", source="fashion-mnist", weight=1.0, patch=4, limit_train=None, limit_eval=None),
+    "asr": dict(kind="transcribe", source="speech-synth", weight=1.0, train=20000, test=500, max_words=25,
+                voices=["en-us", "en", "en-us+f3", "en+m3", "en-gb-x-rp"], rates=[140, 210]),
+    "rl": dict(kind="action", source="gym", env="CartPole-v1", episodes=1000, mix=None, context=20, weight=0.5,
+               reference_episodes=10),
+    "text": dict(kind="lm", source="austen", weight=1.0, max_tokens=256, eval_fraction=0.02, limit=None),
+}
+COMMON = dict(
+    out="runs/multimodal", cache="data/multimodal", tasks=TASKS, extra_tasks={}, weights={},
+    trunk="S", trunk_overrides={}, positions="rope2d",
+    row_length=4096, rows=8, batches_per_epoch=1000, max_misses=4,
+    steps=20000, lr=1e-3, min_lr_ratio=0.02, warmup_steps=1000, weight_decay=0.05, clip_norm=1.0,
+    workers=8, compile=False, eval_every=2000, eval_batches=50, checkpoint_every=2000, log_every=50,
+    seed=0, progress=True, report_to="tensorboard",
+)
+PRESETS: dict[str, dict[str, Any]] = {
+    # CPU smoke run: a tiny trunk, a few hundred samples per task, two rows of 512 tokens.
+    "tiny": dict(out="runs/multimodal-tiny", cache="data/multimodal-tiny", trunk="tiny", row_length=512, rows=2,
+                 tasks={"image": dict(TASKS["image"], patch=7, limit_train=2048, limit_eval=256, weight=2.0),
+                        "asr": dict(TASKS["asr"], train=48, test=8, max_words=8, voices=["en-us", "en-us+f3"]),
+                        "rl": dict(TASKS["rl"], episodes=40, context=5, weight=4.0, reference_episodes=2,
+                                   mix="expert:0.5,medium:0.3,random:0.2"),
+                        "text": dict(TASKS["text"], max_tokens=96, limit=3000)},
+                 batches_per_epoch=100, steps=60, lr=3e-3, warmup_steps=5, workers=0, eval_every=0, eval_batches=4,
+                 checkpoint_every=0, log_every=10),
+    # One GPU, small trunk: quick quality checks against the single-task recipes.
+    "small": dict(trunk="S", trunk_overrides=dict(d_model=256, n_layers=8, n_heads=8), row_length=2048, rows=8,
+                  steps=10000, lr=1e-3, warmup_steps=500, compile=True),
+    # Full run: ViT-S width trunk, 8 x 4096-token rows per GPU.
+    "base": dict(compile=True),
+}
+
+
+def parse_args(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default=None, help=f"one of {', '.join(PRESETS)} (default: base on CUDA, tiny otherwise)")
+    ap.add_argument("--out", default=None, help="output directory (checkpoints, logs, final export)")
+    ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="override config entries")
+    args = ap.parse_args(argv)
+    name = args.preset or ("base" if torch.cuda.is_available() else "tiny")
+    if name not in PRESETS:
+        ap.error(f"unknown preset {name!r}; choose from {', '.join(PRESETS)}")
+    cfg = {**COMMON, **PRESETS[name], "preset": name}
+    cfg["tasks"] = {k: dict(v) for k, v in cfg["tasks"].items()}
+    if args.out:
+        cfg["out"] = args.out
+    try:
+        apply_overrides(cfg, args.set)
+    except ValueError as exc:
+        ap.error(str(exc))
+    tasks = {**cfg["tasks"], **cfg["extra_tasks"]}
+    for name_, w in cfg["weights"].items():
+        if name_ not in tasks:
+            ap.error(f"weights: unknown task {name_!r}; tasks are {', '.join(tasks)}")
+        tasks[name_] = {**tasks[name_], "weight": float(w)}
+    cfg["tasks"] = tasks
+    return cfg
+
+
+# ---------------------------------------------------------------------------------------------------
+# Data: each builder returns {"train": ..., "test": ...}; rank 0 builds caches under cfg["cache"].
+
+
+def _text_tokenizer():
+    """The shipped bpe-8k BPE, shared by every text-using task (one embedder, one tied LM head)."""
+    from omni.tokenizers.text import TextTokenizer
+
+    return TextTokenizer()
+
+
+def fashion_mnist(spec: dict, cache: Path) -> dict[str, tuple[list, list]]:
+    from omni.data.builders_vision import locate_fashion_mnist, read_idx
+
+    folder = locate_fashion_mnist(None, cache / "fashion-mnist")
+    out = {}
+    for split, stem, limit in (("train", "train", spec.get("limit_train")), ("test", "t10k", spec.get("limit_eval"))):
+        images = read_idx(next(folder.glob(f"{stem}-images-idx3-ubyte*")))[:limit]
+        labels = read_idx(next(folder.glob(f"{stem}-labels-idx1-ubyte*")))[:limit]
+        out[split] = ([torch.from_numpy(x.copy())[None] for x in images], labels.astype(np.int64).tolist())
+    return out
+
+
+def speech_synth(spec: dict, cache: Path, audio, seed: int) -> dict[str, tuple[list, list]]:
+    """Synthesised utterances, encoded once to log-mel tokens and cached (the mel extraction is the CPU cost)."""
+    path = cache / f"speech-{spec['train']}-{spec['test']}-{spec['max_words']}.pt"
+    if not path.is_file():
+        from omni.data.builders_speech import load_paragraphs, split_sentences_by_seed
+        from omni.data.speech import extract_sentences, render_utterance
+
+        paragraphs, _ = load_paragraphs(None)
+        sentences = extract_sentences(paragraphs, 3, spec["max_words"])
+        train, test = split_sentences_by_seed(sentences, spec["test"], seed)
+        rng = np.random.default_rng(seed)
+        data = {}
+        for split, pool, n in (("train", train, spec["train"]), ("test", test, spec["test"])):
+            tokens, texts = [], []
+            for i in range(n):
+                sentence = pool[int(rng.integers(len(pool)))]
+                voice = spec["voices"][int(rng.integers(len(spec["voices"])))]
+                rate = int(rng.integers(spec["rates"][0], spec["rates"][1] + 1))
+                _, flac, _, text = render_utterance((f"{split}{i}", sentence, voice, rate, 50, None, "white",
+                                                     seed * 1000 + i, audio.sample_rate))
+                tokens.append(audio.encode(flac, key=f"{split}{i}").tokens)
+                texts.append(text)
+            data[split] = {"tokens": tokens, "text": texts}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(data, str(path) + ".tmp")
+        Path(str(path) + ".tmp").replace(path)
+    data = torch.load(path)
+    return {split: ([Segment("audio", t, torch.arange(t.shape[0]), audio.role) for t in d["tokens"]], d["text"])
+            for split, d in data.items()}
+
+
+def gym_episodes(spec: dict, cache: Path, seed: int) -> tuple[dict[str, list], Any]:
+    from omni.data.builders_rl import build_gym
+    from omni.data.shards import read_manifest
+    from omni.rl import SpaceSpec, load_episodes, make_tokenizer
+
+    mix = spec.get("mix")
+    tag = "" if mix is None else "-" + "".join(c if c.isalnum() else "_" for c in mix)
+    data = cache / f"gym-{spec['env']}-{spec['episodes']}{tag}"
+    if not (data / "manifest.json").is_file():
+        build_gym(data, env=spec["env"], episodes=spec["episodes"], mix=mix, seed=seed, minari=False, quiet=True,
+                  reference_episodes=spec.get("reference_episodes", 10))
+    manifest = read_manifest(data)
+    episodes = load_episodes(data, "train")
+    n_eval = max(1, len(episodes) // 10)
+    tok = make_tokenizer(episodes[:-n_eval], SpaceSpec.from_manifest(manifest), context=spec["context"],
+                         max_timestep=max(len(ep["actions"]) for ep in episodes) + 1)
+    return {"train": episodes[:-n_eval], "test": episodes[-n_eval:]}, tok
+
+
+def austen(spec: dict, cache: Path, text) -> dict[str, list[str]]:
+    path = cache / f"austen-{spec['max_tokens']}.json"
+    if not path.is_file():
+        from omni.tokenizers.text import austen_novels
+
+        paragraphs = [p for _, ps in sorted(austen_novels().items()) for p in ps if len(p.split()) >= 4]
+        lengths = [len(e.ids) + 2 for e in text.hf.encode_batch(paragraphs, add_special_tokens=False)]
+        keep = [p for p, n in zip(paragraphs, lengths) if n <= spec["max_tokens"]]
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(keep))
+    keep = json.loads(path.read_text())
+    n_eval = max(1, int(len(keep) * spec["eval_fraction"]))
+    train = keep[:-n_eval][: spec.get("limit")]
+    return {"train": train, "test": keep[-n_eval:]}
+
+
+def import_callable(path: str):
+    module, _, attr = path.partition(":")
+    if not attr:
+        raise ValueError(f"data {path!r}: expected 'module:function'")
+    return getattr(importlib.import_module(module), attr)
+
+
+def build_tasks(cfg: dict) -> dict[str, list[Task]]:
+    """{"train": tasks, "test": tasks} (the same tokenizers, held-out data for test)."""
+    from omni.tokenizers import build_tokenizer
+    from omni.tokenizers.audio import AudioTokenizer
+    from omni.tokenizers.image import ImageTokenizer
+
+    cache, seed = Path(cfg["cache"]), cfg["seed"]
+    out: dict[str, list[Task]] = {"train": [], "test": []}
+    text = None
+    for name, spec in cfg["tasks"].items():
+        kind, w, lw = spec["kind"], float(spec.get("weight", 1.0)), float(spec.get("loss_weight", 1.0))
+        if "data" in spec:  # a user task: registered tokenizer + data callable (config only)
+            fn = import_callable(spec["data"])
+            for split in out:
+                items, labels = fn(split=split, seed=seed, **spec.get("data_kwargs", {}))
+                if kind == "classify":
+                    tok = build_tokenizer(spec["tokenizer"], **spec.get("tokenizer_kwargs", {}))
+                    out[split].append(ClassifyTask(name, tok, items, labels, int(spec["n_classes"]), weight=w,
+                                                   loss_weight=lw))
+                elif kind == "lm":
+                    text = text or _text_tokenizer()
+                    out[split].append(LMTask(name, text, items, weight=w, loss_weight=lw))
+                else:
+                    raise ValueError(f"task {name!r}: kind {kind!r} with a data callable must be classify or lm")
+            continue
+        source = spec.get("source")
+        if kind == "classify" and source == "fashion-mnist":
+            image = ImageTokenizer(patch_size=spec["patch"], channels=1, image_size=28, policy="resize")
+            for split, (items, labels) in fashion_mnist(spec, cache).items():
+                out[split].append(ClassifyTask(name, image, items, labels, 10, weight=w, loss_weight=lw))
+        elif kind == "transcribe" and source == "speech-synth":
+            audio, text = AudioTokenizer(), text or _text_tokenizer()
+            for split, (clips, transcripts) in speech_synth(spec, cache, audio, seed).items():
+                out[split].append(TranscribeTask(name, audio, text, clips, transcripts, weight=w, loss_weight=lw))
+        elif kind == "action" and source == "gym":
+            episodes, tok = gym_episodes(spec, cache, seed)
+            for split, eps in episodes.items():
+                out[split].append(ActionTask(name, tok, eps, weight=w, loss_weight=lw))
+        elif kind == "lm" and source == "austen":
+            text = text or _text_tokenizer()
+            for split, texts in austen(spec, cache, text).items():
+                out[split].append(LMTask(name, text, texts, weight=w, loss_weight=lw))
+        else:
+            raise ValueError(f"task {name!r}: unknown kind/source {kind!r}/{source!r} (built in: classify/fashion-mnist, "
+                             "transcribe/speech-synth, action/gym, lm/austen; or give tokenizer + data)")
+    return out
+
+
+def prepare(cfg: dict, state) -> dict[str, list[Task]]:
+    """Rank 0 builds the caches first; the other ranks then read them."""
+    if state.is_main_process:
+        tasks = build_tasks(cfg)
+    state.wait_for_everyone()
+    if not state.is_main_process:
+        tasks = build_tasks(cfg)
+    return tasks
+
+
+# ---------------------------------------------------------------------------------------------------
+
+
+def build(cfg: dict, rank: int = 0, world: int = 1):
+    """(model, train loader, eval loader, tasks) for a config: what main trains, and what tests inspect."""
+    tasks = prepare(cfg, process_state())
+    trunk = preset(cfg["trunk"], positions=cfg["positions"], **cfg["trunk_overrides"])
+    torch.manual_seed(cfg["seed"])
+    model = MultitaskModel(tasks["train"], trunk)
+    common = dict(row_length=cfg["row_length"], rows=cfg["rows"], max_misses=cfg["max_misses"], rank=rank,
+                  world_size=world)
+    train = MixtureLoader(tasks["train"], batches_per_epoch=cfg["batches_per_epoch"], seed=cfg["seed"],
+                          num_workers=cfg["workers"], **common)
+    evaluation = MixtureLoader(tasks["test"], batches_per_epoch=cfg["eval_batches"], seed=cfg["seed"] + 10_007,
+                               **common) if cfg["eval_batches"] else None
+    return model, train, evaluation, tasks
+
+
+def eval_fn(model, batch) -> dict[str, torch.Tensor]:
+    loss, metrics = model(batch)
+    return {"loss": loss, **metrics}
+
+
+def main(argv=None, *, on_trained=None) -> dict:
+    """Train; ``on_trained(trainer)`` (if given) runs on every rank after training, while the process group
+    is still up (tests compare the ranks' parameters there)."""
+    cfg = parse_args(argv)
+    state = process_state()
+    model, train, evaluation, tasks = build(cfg, state.process_index, state.num_processes)
+    config = TrainConfig(
+        output_dir=cfg["out"], steps=cfg["steps"], lr=cfg["lr"], min_lr_ratio=cfg["min_lr_ratio"],
+        warmup_steps=min(cfg["warmup_steps"], cfg["steps"]), weight_decay=cfg["weight_decay"],
+        clip_norm=cfg["clip_norm"], compile=cfg["compile"], eval_every=cfg["eval_every"],
+        checkpoint_every=cfg["checkpoint_every"], log_every=cfg["log_every"], seed=cfg["seed"],
+        run_name=f"multimodal-{cfg['preset']}", progress=cfg["progress"], report_to=cfg["report_to"],
+    )
+    export = model.export_config()
+    trainer = Trainer(model, multitask_loss, train, config, eval_data=evaluation, eval_fn=eval_fn, hparams=cfg,
+                      export_config=export, export_tokenizers=merge_tokenizers(tasks["train"]),
+                      export_module=lambda m: m.omni)
+    if state.is_main_process:
+        n_params = sum(p.numel() for p in unwrap(trainer.model).parameters())
+        mix = ", ".join(f"{t.name} ({t.kind}, w={t.weight:g}, {len(t)} items)" for t in tasks["train"])
+        print(f"multimodal preset {cfg['preset']}: {n_params / 1e6:.2f}M parameters, {cfg['steps']} steps of "
+              f"{cfg['rows']} x {cfg['row_length']} tokens, tasks: {mix}; {trainer.accelerator.device}", flush=True)
+    start = time.time()
+    metrics = trainer.fit(finish=on_trained is None)
+    if on_trained is not None:
+        try:
+            on_trained(trainer)
+        finally:
+            trainer.close()
+    if state.is_main_process:
+        result = {"seconds": round(time.time() - start, 1),
+                  **{k: v for k, v in metrics.items() if isinstance(v, (int, float)) and math.isfinite(v)}}
+        Path(cfg["out"]).mkdir(parents=True, exist_ok=True)
+        (Path(cfg["out"]) / "metrics.json").write_text(json.dumps(result, indent=2, sort_keys=True))
+        per_task = "; ".join(f"{t.name} loss {metrics.get(f'train/{t.name}/loss', math.nan):.3f}" for t in tasks["train"])
+        print(f"done in {result['seconds']:.0f} s: {per_task}; model exported to {trainer.export_dir}", flush=True)
+    return metrics
+
+
+if __name__ == "__main__":
+    sys.exit(0 if main() is not None else 1)
