@@ -9,10 +9,11 @@ import random
 import pytest
 import torch
 from torch import nn
+from torch.nn.attention.flex_attention import create_block_mask
 
 from omni.heads import ClassificationHead
 from omni.model import OmniModel
-from omni.packing import BLOCK_SIZE, Packer, block_mask, dense_mask, segment_mean
+from omni.packing import BLOCK_SIZE, Packer, block_mask, dense_mask, mask_mod, segment_mean
 from omni.segment import Role, Sample, Segment
 from omni.tokenizers.base import Tokenizer, TypeEmbedding
 from omni.trunk import Trunk, TrunkConfig
@@ -214,3 +215,30 @@ def test_segment_validation():
         Segment("x", torch.zeros(3), torch.zeros(2))
     with pytest.raises(ValueError, match="no segments"):
         Sample([], key="k")
+
+
+def _block_sets(bm):
+    """(partial, full) as dense (B, nb, nb) bool matrices from a BlockMask's index lists."""
+    def dense(num, idx):
+        B, _, nb = num.shape
+        out = torch.zeros(B, nb, nb, dtype=torch.bool)
+        for b in range(B):
+            for q in range(nb):
+                out[b, q, idx[b, 0, q, : num[b, 0, q]].long()] = True
+        return out
+
+    return dense(bm.kv_num_blocks, bm.kv_indices), dense(bm.full_kv_num_blocks, bm.full_kv_indices)
+
+
+@pytest.mark.parametrize("seed,row_length,max_len,block", [(7, None, 40, 128), (8, 256, 60, 128),
+                                                           (9, None, 400, 128), (10, None, 30, 16)])
+def test_block_mask_equals_create_block_mask(seed, row_length, max_len, block):
+    """The summary-based BlockMask marks exactly the tiles create_block_mask marks, partial and full."""
+    batch = Packer(row_length=row_length, block_size=block)(random_samples(15, seed=seed, max_len=max_len))
+    ours = block_mask(batch.document, batch.segment, batch.causal, block_size=block)
+    B, T = batch.shape
+    reference = create_block_mask(mask_mod(batch.document, batch.segment, batch.causal), B, None, T, T,
+                                  device="cpu", BLOCK_SIZE=block)
+    for mine, theirs in zip(_block_sets(ours), _block_sets(reference)):
+        assert torch.equal(mine, theirs)
+    assert ours.seq_lengths == (T, T)
