@@ -72,10 +72,14 @@ def get_builder(name: str) -> Builder:
 
 
 def save_pretrained(model: nn.Module, directory: str | os.PathLike, config: Mapping[str, Any] | None = None, *,
-                    tokenizers: Mapping[str, Any] | None = None) -> Path:
+                    tokenizers: Mapping[str, Any] | None = None,
+                    state_dict: Mapping[str, torch.Tensor] | None = None) -> Path:
     """Write ``model``'s weights, ``config`` (JSON-serialisable; ``"builder"`` names how to rebuild it)
-    and optional tokenizers to ``directory``, atomically (write beside it, then rename)."""
-    from safetensors.torch import save_model
+    and optional tokenizers to ``directory``, atomically (write beside it, then rename).
+
+    ``state_dict`` (keys relative to ``model``) is written instead of the module's own tensors: the full
+    weights gathered from FSDP shards, whose module holds only this rank's shard."""
+    from safetensors.torch import save_file, save_model
 
     directory = Path(directory)
     config = dict(config or {})
@@ -91,7 +95,16 @@ def save_pretrained(model: nn.Module, directory: str | os.PathLike, config: Mapp
     tmp = directory.with_name(f".{directory.name}.tmp-{os.getpid()}-{time.monotonic_ns()}")
     tmp.mkdir()
     try:
-        save_model(model, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
+        if state_dict is None:
+            save_model(model, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
+        else:
+            expected = set(model.state_dict())
+            if set(state_dict) != expected:
+                raise ValueError(f"state_dict keys do not match the model: missing {sorted(expected - set(state_dict))}, "
+                                 f"unexpected {sorted(set(state_dict) - expected)}")
+            # Separate, contiguous CPU copies: safetensors refuses tensors that share memory (tied weights).
+            tensors = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in state_dict.items()}
+            save_file(tensors, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
         for name, tok in (tokenizers or {}).items():
             tok.save(tmp / TOKENIZERS_DIR / name)
         with open(tmp / CONFIG_NAME, "w") as f:

@@ -755,11 +755,18 @@ class Trainer:
         acc = self.accelerator
         directory = Path(directory) if directory is not None else self.export_dir
         acc.wait_for_everyone()
+        full = None
+        if acc.distributed_type == "FSDP":  # each rank holds a shard: gather the full weights (collective)
+            full = acc.get_state_dict(self.model)
         if acc.is_main_process:
-            module = acc.unwrap_model(self.model, keep_torch_compile=False)  # the fp32 wrapper only wraps forward
-            if self.export_module is not None:
-                module = self.export_module(module)
-            _export.save_pretrained(module, directory, self.export_config, tokenizers=self.export_tokenizers)
+            root = acc.unwrap_model(self.model, keep_torch_compile=False)  # the fp32 wrapper only wraps forward
+            module = self.export_module(root) if self.export_module is not None else root
+            if full is not None:
+                prefix = next(name for name, m in root.named_modules() if m is module)
+                prefix = f"{prefix}." if prefix else ""
+                full = {k[len(prefix):]: v for k, v in full.items() if k.startswith(prefix)}
+            _export.save_pretrained(module, directory, self.export_config, tokenizers=self.export_tokenizers,
+                                    state_dict=full)
         acc.wait_for_everyone()
         return directory
 

@@ -333,6 +333,22 @@ def test_export_round_trip_omni_builder(tmp_path):
                                        rtol=0, atol=0)
 
 
+def test_export_from_a_gathered_state_dict(tmp_path):
+    """The FSDP path writes gathered full weights (keys relative to the exported module) instead of the
+    module's own tensors, and mismatched keys are refused before anything is written."""
+    config = {"builder": "omni", "trunk": {"preset": "tiny", "n_layers": 1},
+              "heads": {"cls": {"type": "classification", "n_classes": 3}}}
+    torch.manual_seed(0)
+    model = build_omni_model(config, {W.VEC: W.TrainVecTokenizer()})
+    full = {k: v.clone() + 1.0 for k, v in model.state_dict().items()}  # stands in for the gathered weights
+    save_pretrained(model, tmp_path / "m", config, tokenizers={W.VEC: W.TrainVecTokenizer()}, state_dict=full)
+    back = load_pretrained(tmp_path / "m")
+    _assert_equal(full, back.state_dict())
+    with pytest.raises(ValueError, match="missing"):
+        save_pretrained(model, tmp_path / "bad", config, state_dict={k: v for k, v in list(full.items())[1:]})
+    assert not (tmp_path / "bad").exists()
+
+
 def test_export_tied_lm_head_and_import_path_builder(tmp_path):
     """Tied weights are stored once and come back tied; a "module:function" builder loads a custom model."""
     from omni.tokenizers.base import TypeEmbedding, register_tokenizer
