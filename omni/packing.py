@@ -20,7 +20,7 @@ from typing import Any, Callable, Literal, Sequence
 
 import torch
 from torch import Tensor
-from torch.nn.attention.flex_attention import BlockMask, create_block_mask
+from torch.nn.attention.flex_attention import BlockMask
 
 from omni.segment import Role, Sample
 

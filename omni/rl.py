@@ -465,7 +465,7 @@ def rollout(model: DecisionTransformer, tok: TrajectoryTokenizer, envs: Sequence
     device = torch.device(device) if device is not None else next(model.parameters()).device
     was_training = model.training
     model.eval()
-    K, n_tok = tok.context, model.tokens_per_step
+    K = tok.context
     rtg = np.asarray(targets if model.use_returns else np.zeros(B), dtype=np.float64).copy()
     obs = np.stack([np.asarray(env.reset(seed=int(s))[0]) for env, s in zip(envs, seeds)])
     done = np.zeros(B, dtype=bool)

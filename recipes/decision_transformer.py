@@ -16,7 +16,6 @@ dataset manifest (``omni data gym`` measures them). Prints a Markdown table and 
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
@@ -26,7 +25,7 @@ from typing import Any
 
 import torch
 
-from omni.config import apply_overrides
+from omni.config import recipe_config, recipe_parser
 from omni.data.shards import read_manifest
 from omni.rl import (
     DecisionTransformer,
@@ -74,28 +73,16 @@ PRESETS: dict[str, dict] = {
 
 
 def parse_args(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--preset", default="dt", help=f"one of {', '.join(PRESETS)} (default dt)")
+    ap = recipe_parser(__doc__, PRESETS, "dt", data_help="dataset directory (manifest.json + episode shards)")
     ap.add_argument("--env", default=None, help="Gymnasium env id for data building and evaluation")
-    ap.add_argument("--data", default=None, help="dataset directory (manifest.json + episode shards)")
-    ap.add_argument("--out", default=None, help="output directory (default runs/dt-<env>-<preset>)")
-    ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="override config entries")
     args = ap.parse_args(argv)
-    if args.preset not in PRESETS:
-        ap.error(f"unknown preset {args.preset!r}; choose from {', '.join(PRESETS)}")
-    cfg = {**COMMON, **PRESETS[args.preset], "preset": args.preset}
-    for name in ("env", "data", "out"):
-        if getattr(args, name):
-            cfg[name] = getattr(args, name)
-    try:
-        apply_overrides(cfg, args.set)
-    except ValueError as exc:
-        ap.error(str(exc))
+    updates = {name: getattr(args, name) for name in ("env", "data", "out") if getattr(args, name)}
+    cfg = recipe_config(ap, args, COMMON, PRESETS, "dt", updates)
     unknown = set(cfg["methods"]) - {"dt", "bc", "fbc"}
     if unknown:
         ap.error(f"methods: unknown {sorted(unknown)}; choose from dt, bc, fbc")
-    cfg["data"] = cfg["data"] or f"data/gym-{cfg['env']}" + ("-tiny" if args.preset == "tiny" else "")
-    cfg["out"] = cfg["out"] or f"runs/dt-{cfg['env']}-{args.preset}"
+    cfg["data"] = cfg["data"] or f"data/gym-{cfg['env']}" + ("-tiny" if cfg["preset"] == "tiny" else "")
+    cfg["out"] = cfg["out"] or f"runs/dt-{cfg['env']}-{cfg['preset']}"
     return cfg
 
 

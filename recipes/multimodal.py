@@ -47,7 +47,6 @@ held-out episodes and paragraphs). The final OmniModel (every head) is exported 
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import json
 import math
@@ -59,7 +58,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from omni.config import apply_overrides
+from omni.config import recipe_config, recipe_parser
 from omni.multitask import (ActionTask, ClassifyTask, LMTask, MixtureLoader, MultitaskModel, Task, TranscribeTask,
                             merge_tokenizers, multitask_loss)
 from omni.segment import Segment
@@ -104,22 +103,10 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 
 def parse_args(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--preset", default=None, help=f"one of {', '.join(PRESETS)} (default: base on CUDA, tiny otherwise)")
-    ap.add_argument("--out", default=None, help="output directory (checkpoints, logs, final export)")
-    ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="override config entries")
+    ap = recipe_parser(__doc__, PRESETS, "base on CUDA, tiny otherwise", data_help=None)
     args = ap.parse_args(argv)
-    name = args.preset or ("base" if torch.cuda.is_available() else "tiny")
-    if name not in PRESETS:
-        ap.error(f"unknown preset {name!r}; choose from {', '.join(PRESETS)}")
-    cfg = {**COMMON, **PRESETS[name], "preset": name}
-    cfg["tasks"] = {k: dict(v) for k, v in cfg["tasks"].items()}
-    if args.out:
-        cfg["out"] = args.out
-    try:
-        apply_overrides(cfg, args.set)
-    except ValueError as exc:
-        ap.error(str(exc))
+    cfg = recipe_config(ap, args, COMMON, PRESETS, "base" if torch.cuda.is_available() else "tiny",
+                        {"out": args.out} if args.out else {})
     tasks = {**cfg["tasks"], **cfg["extra_tasks"]}
     for name_, w in cfg["weights"].items():
         if name_ not in tasks:

@@ -11,7 +11,6 @@
 
 from __future__ import annotations
 
-import argparse
 import math
 import sys
 import time
@@ -20,7 +19,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from omni.config import apply_overrides
+from omni.config import recipe_config, recipe_parser
 from omni.data.memory import TensorLoader, materialise
 from omni.data.reader import ShardLoader
 from omni.data.shards import read_manifest
@@ -63,25 +62,14 @@ PRESETS: dict[str, dict] = {
 
 
 def parse_args(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--preset", default=None, help=f"one of {', '.join(PRESETS)} (default: fmnist on CUDA, "
-                                                   "fmnist-cpu otherwise)")
-    ap.add_argument("--data", default=None, help="dataset directory (manifest.json + shards)")
-    ap.add_argument("--out", default=None, help="output directory (checkpoints, logs, final export)")
-    ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="override config entries")
+    ap = recipe_parser(__doc__, PRESETS, "fmnist on CUDA, fmnist-cpu otherwise")
     args = ap.parse_args(argv)
-    name = args.preset or ("fmnist" if torch.cuda.is_available() else "fmnist-cpu")
-    if name not in PRESETS:
-        ap.error(f"unknown preset {name!r}; choose from {', '.join(PRESETS)}")
-    cfg = {**COMMON, "limit_train": None, "limit_eval": None, **PRESETS[name], "preset": name}
-    if args.data:
-        cfg.update(data=args.data, build=None)
+    updates = {"data": args.data, "build": None} if args.data else {}
     if args.out:
-        cfg["out"] = args.out
-    try:
-        apply_overrides(cfg, args.set)
-    except ValueError as exc:
-        ap.error(str(exc))
+        updates["out"] = args.out
+    common = {**COMMON, "limit_train": None, "limit_eval": None}
+    cfg = recipe_config(ap, args, common, PRESETS, "fmnist" if torch.cuda.is_available() else "fmnist-cpu", updates)
+    name = cfg["preset"]
     if cfg["data"] is None:
         ap.error(f"preset {name!r} needs --data DIR (shards from `omni data images`)")
     return cfg

@@ -21,7 +21,6 @@ and written to <out>/eval.json.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import sys
@@ -32,7 +31,7 @@ from typing import Any
 
 import torch
 
-from omni.config import apply_overrides
+from omni.config import recipe_config, recipe_parser
 from omni.data.reader import ShardLoader
 from omni.data.shards import read_manifest
 from omni.speech import (SpeechCollate, SpeechRecognizer, error_counts, greedy_decode, speech_example,
@@ -63,25 +62,13 @@ PRESETS: dict[str, dict] = {
 
 
 def parse_args(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--preset", default=None, help=f"one of {', '.join(PRESETS)} (default: base on CUDA, "
-                                                   "tiny otherwise)")
-    ap.add_argument("--data", default=None, help="dataset directory (manifest.json + shards with audio + .txt)")
-    ap.add_argument("--out", default=None, help="output directory (checkpoints, logs, final export)")
-    ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="override config entries")
+    ap = recipe_parser(__doc__, PRESETS, "base on CUDA, tiny otherwise",
+                       data_help="dataset directory (manifest.json + shards with audio + .txt)")
     args = ap.parse_args(argv)
-    name = args.preset or ("base" if torch.cuda.is_available() else "tiny")
-    if name not in PRESETS:
-        ap.error(f"unknown preset {name!r}; choose from {', '.join(PRESETS)}")
-    cfg = {**COMMON, **PRESETS[name], "preset": name}
-    if args.data:
-        cfg.update(data=args.data, build=None)
+    updates = {"data": args.data, "build": None} if args.data else {}
     if args.out:
-        cfg["out"] = args.out
-    try:
-        apply_overrides(cfg, args.set)
-    except ValueError as exc:
-        ap.error(str(exc))
+        updates["out"] = args.out
+    cfg = recipe_config(ap, args, COMMON, PRESETS, "base" if torch.cuda.is_available() else "tiny", updates)
     return cfg
 
 
