@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from omni.model import OmniModel
-from omni.packing import Packer, block_mask, dense_mask
+from omni.packing import Packer, block_mask
 from omni.segment import Role, Sample, Segment
 from omni.tokenizers.base import Tokenizer, TypeEmbedding
 from omni.trunk import Trunk, TrunkConfig, attend

@@ -17,7 +17,7 @@ import webdataset as wds
 from omni.data import shards as sh
 from omni.data.builders_rl import build_gym, build_minari, episode_npz, mix_counts, parse_mix
 from omni.data.builders_speech import build_librispeech, build_speech_synth
-from omni.data.builders_text import build_text, chunk_text, fit_tokenizer
+from omni.data.builders_text import build_text, chunk_text
 from omni.data.builders_vision import FASHION_MNIST_CLASSES, build_fashion_mnist, build_images
 from omni.cli import main as cli_main
 from omni.data.speech import clean_sentence, extract_sentences, resample, sentence_key, split_sentences

@@ -12,7 +12,6 @@ import hashlib
 import importlib.util
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -29,7 +28,6 @@ from omni.multitask import MixedBatch, MixtureLoader, pack_mixed  # noqa: E402
 
 MODALITIES = {"image", "audio", "text", "trajectory"}
 TASKS = ("image", "asr", "rl", "text")
-EXAMPLE = ROOT / "examples" / "timeseries_plugin"
 
 
 def load_recipe():
@@ -197,24 +195,9 @@ def test_tiny_preset_trains_every_task_with_per_task_metrics(cache, tmp_path):
 
 
 @pytest.fixture
-def installed_plugin(tmp_path, monkeypatch):
-    """examples/timeseries_plugin installed into a temp site dir, exactly as tests/test_plugin.py does."""
-    import omni.tokenizers.base as base
-
-    site = tmp_path / "site"
-    site.mkdir()
-    shutil.copy(EXAMPLE / "omni_timeseries.py", site)
-    dist = site / "omni_timeseries-0.1.0.dist-info"
-    dist.mkdir()
-    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: omni-timeseries\nVersion: 0.1.0\n")
-    entry = [ln for ln in (EXAMPLE / "pyproject.toml").read_text().splitlines() if ln.startswith("timeseries =")][0]
-    (dist / "entry_points.txt").write_text("[omni.tokenizers]\n" + entry.replace('"', "") + "\n")
-    monkeypatch.syspath_prepend(str(site))
-    monkeypatch.syspath_prepend(str(Path(__file__).parent))  # this module: the data callable below
-    monkeypatch.setattr(base, "_ENTRY_POINTS_LOADED", False)
-    monkeypatch.setattr(base, "_REGISTRY", dict(base._REGISTRY))
-    yield
-    sys.modules.pop("omni_timeseries", None)
+def plugin_with_data(installed_plugin, monkeypatch):
+    """The time-series plug-in (tests/conftest.py) plus this module on sys.path for its data callable."""
+    monkeypatch.syspath_prepend(str(Path(__file__).parent))
 
 
 def sine_series(split: str, seed: int, n: int = 256) -> tuple[list[np.ndarray], list[int]]:
@@ -230,7 +213,7 @@ def sine_series(split: str, seed: int, n: int = 256) -> tuple[list[np.ndarray], 
     return items, labels
 
 
-def test_plugin_modality_joins_the_mix_by_config_only(installed_plugin, cache, tmp_path):
+def test_plugin_modality_joins_the_mix_by_config_only(plugin_with_data, cache, tmp_path):
     recipe = load_recipe()
     task = {"kind": "classify", "tokenizer": "timeseries", "tokenizer_kwargs": {"channels": 1, "patch": 8},
             "data": "test_multimodal:sine_series", "data_kwargs": {"n": 128}, "n_classes": 2, "weight": 1.0}

@@ -16,7 +16,7 @@ from omni.model import OmniModel
 from omni.packing import BLOCK_SIZE, Packer, block_mask, dense_mask, mask_mod, segment_mean
 from omni.segment import Role, Sample, Segment
 from omni.tokenizers.base import Tokenizer, TypeEmbedding
-from omni.trunk import Trunk, TrunkConfig
+from omni.trunk import TrunkConfig
 
 
 class VecTokenizer(Tokenizer):

@@ -5,41 +5,17 @@ built-in modality and trained, with no change inside omni."""
 
 from __future__ import annotations
 
-import shutil
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
-import omni.tokenizers.base as base
 from omni.heads import ClassificationHead
 from omni.model import OmniModel
 from omni.packing import Packer
 from omni.segment import Sample
 from omni.tokenizers import Tokenizer, available_tokenizers, build_tokenizer, get_tokenizer
 from omni.trunk import TrunkConfig
-
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "timeseries_plugin"
-
-
-@pytest.fixture
-def installed_plugin(tmp_path, monkeypatch):
-    site = tmp_path / "site"
-    site.mkdir()
-    shutil.copy(EXAMPLE / "omni_timeseries.py", site)
-    dist = site / "omni_timeseries-0.1.0.dist-info"
-    dist.mkdir()
-    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: omni-timeseries\nVersion: 0.1.0\n")
-    entry = [ln for ln in (EXAMPLE / "pyproject.toml").read_text().splitlines() if ln.startswith("timeseries =")][0]
-    (dist / "entry_points.txt").write_text("[omni.tokenizers]\n" + entry.replace('"', "") + "\n")
-    monkeypatch.syspath_prepend(str(site))
-    monkeypatch.setattr(base, "_ENTRY_POINTS_LOADED", False)
-    monkeypatch.setattr(base, "_REGISTRY", dict(base._REGISTRY))
-    yield
-    sys.modules.pop("omni_timeseries", None)
 
 
 def test_builtins_registered():
@@ -71,7 +47,7 @@ def test_entry_point_plugin_trains_beside_a_builtin(installed_plugin):
     packer = Packer()
     losses = []
     for step in range(30):
-        samples, labels = [], []
+        samples = []
         for i in range(8):
             label = int(rng.integers(2))
             x = series(label, rng, int(rng.integers(48, 97)))

@@ -7,10 +7,9 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch.nn.attention.flex_attention import create_block_mask
 
-from omni.trunk import PRESETS, KVCache, Trunk, TrunkConfig, attend, preset
+from omni.trunk import PRESETS, Trunk, TrunkConfig, attend, preset
 
 torch.manual_seed(0)
 

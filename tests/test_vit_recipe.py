@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import gzip
 import importlib.util
-import io
 import struct
 from pathlib import Path
 
