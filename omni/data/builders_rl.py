@@ -285,8 +285,10 @@ def build_gym(
     environment = gym.make(env)
     recorded: list[dict[str, np.ndarray]] = []
     returns: dict[str, list[float]] = {}
-    writers = {s: build.split(s, total=split_of.count(s)) for s in ("train", "val") if s in split_of}
-    try:
+    # Every split writer closes on success and aborts (drops its temp shard) on any error.
+    with contextlib.ExitStack() as stack:
+        writers = {s: stack.enter_context(build.split(s, total=split_of.count(s)))
+                   for s in ("train", "val") if s in split_of}
         counters = dict.fromkeys(writers, 0)
         for i, name in enumerate(policies):
             ep_seed = seed * 1_000_003 + i
@@ -301,12 +303,6 @@ def build_gym(
             counters[split] += 1
             if minari:
                 recorded.append(ep)
-    except BaseException:
-        for w in writers.values():
-            w.abort()
-        raise
-    for w in writers.values():
-        w.close()
     environment.close()
     refs = reference_returns(env, reference_episodes) if reference_episodes > 0 else {"random": None, "expert": None}
     minari_path = None
@@ -386,13 +382,13 @@ def build_minari(
         n_val = int(round(val_fraction * n))
         val = set(rng.permutation(n)[:n_val].tolist())
         build.start()
-        writers = {"train": build.split("train", total=n - n_val)}
-        if n_val:
-            writers["val"] = build.split("val", total=n_val)
-        counters = dict.fromkeys(writers, 0)
         returns: list[float] = []
         policy = meta.get("algorithm_name") or "minari"
-        try:
+        with contextlib.ExitStack() as stack:  # writers close on success, abort on any error
+            writers = {"train": stack.enter_context(build.split("train", total=n - n_val))}
+            if n_val:
+                writers["val"] = stack.enter_context(build.split("val", total=n_val))
+            counters = dict.fromkeys(writers, 0)
             for j, ep in enumerate(dataset.iterate_episodes()):
                 arrays = {
                     "observations": _flat(ep.observations, dataset.observation_space, f"episode {ep.id} observations"),
@@ -414,12 +410,6 @@ def build_minari(
                         "episode": int(ep.id)}  # fmt: skip
                 writers[split].write({"__key__": f"{split}_{counters[split]:07d}", "npz": episode_npz(arrays), "json": info})
                 counters[split] += 1
-        except BaseException:
-            for w in writers.values():
-                w.abort()
-            raise
-        for w in writers.values():
-            w.close()
         return build.finish(
             env_id=env_id,
             minari={"id": dataset_id, "path": str(path), "minari_version": meta.get("minari_version")},
