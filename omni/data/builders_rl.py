@@ -24,7 +24,7 @@ from omni.data.policies import available_policies, make_policy, rollout
 from omni.data.shards import Build, fingerprint_files
 
 EPISODE_KEYS = ("observations", "actions", "rewards", "terminations", "truncations")
-DEFAULT_MIX = "random:0.1,replay:0.3,medium:0.3,expert:0.3"
+DEFAULT_MIX = "random:0.1,replay:0.3,medium:0.4,expert:0.2"  # D4RL-like: mostly sub-expert data
 NPZ_FIELD = "observations (T+1, ...) float32 incl. final, actions (T,) int64 | (T, A) float32, rewards (T,) float32, terminations/truncations (T,) bool"  # noqa: E501
 
 
@@ -225,7 +225,7 @@ def build_gym(
     """Record ``episodes`` episodes of ``env`` from a seeded mix of behaviour policies.
 
     ``mix`` is ``POLICY:WEIGHT,...`` over ``random``, ``medium``, ``expert``, ``replay`` and
-    ``reference`` (see omni.data.policies); default ``random:0.1,replay:0.3,medium:0.3,expert:0.3``
+    ``reference`` (see omni.data.policies); default ``DEFAULT_MIX`` (random 0.1, replay 0.3, medium 0.4, expert 0.2)
     where scripted policies exist, else ``random:1``. Episode i runs with env seed
     ``seed * 1_000_003 + i``. ``val_fraction`` of the episodes (seeded) go to a ``val`` split.
     With ``minari`` (default: when importable) the same episodes are also written as a Minari

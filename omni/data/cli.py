@@ -218,7 +218,7 @@ def add_data_commands(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--env", default="CartPole-v1", help="Gymnasium env id (scripted policies: CartPole-v1, Pendulum-v1)")
     p.add_argument("--episodes", type=_positive_int, default=1000)
     p.add_argument("--mix", help="POLICY:WEIGHT,... over random, medium, expert, replay, reference "
-                   "(default random:0.1,replay:0.3,medium:0.3,expert:0.3)")  # fmt: skip
+                   "(default random:0.1,replay:0.3,medium:0.4,expert:0.2)")  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--val-fraction", type=_fraction, default=0.0, help="seeded share of episodes in a val split")
     p.add_argument("--reference-episodes", type=_count, default=10, help="episodes per reference score (random, expert)")

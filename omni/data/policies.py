@@ -5,16 +5,26 @@ name, action_space)``. Skill levels follow the D4RL naming:
 
 * ``random``  - uniform samples from the action space (the score-normalisation floor);
 * ``expert``  - a hand-written controller with a little noise (the ceiling);
-* ``medium``  - the same controller with heavy noise: about a third to half the expert return;
-* ``replay``  - a different noise level per episode, drawn uniformly between expert's and
-  random's, like the replay buffer of an agent that learned from scratch (the "medium-replay"
-  flavour: every skill level in between).
+* ``medium``  - a *different*, systematically worse controller with a little noise, at roughly a
+  third of the expert's normalised score;
+* ``replay``  - the medium controller with a noise level drawn per episode between medium's and
+  random's, like the replay buffer of an agent that never got past medium (the "medium-replay"
+  flavour: every skill level from random up to medium).
 
-``reference`` is the noise-free controller: its average return is the expert reference score.
+``reference`` is the noise-free expert controller: its average return is the expert reference score.
 
-Scripted controllers exist for CartPole-v1 (discrete: PD on pole angle and cart position,
-epsilon-random actions as noise) and Pendulum-v1 (continuous: energy-shaping swing-up, PD
-balance near the top, Gaussian action noise). Every other environment offers only ``random``.
+Why medium is a different controller and not a noisier expert: the mean action of a noisy expert
+*is* the expert, so behaviour cloning a mixture of noisy experts recovers the expert and a dataset
+built that way cannot tell return-conditioned policies from cloning (measured on CartPole: BC
+scored 100). Here the medium controller disagrees with the expert in a consistent way, so the
+average action of a mixed dataset is not the expert's, as with D4RL's half-trained agents.
+
+Scripted controllers exist for CartPole-v1 (discrete; expert: PD on pole angle and cart position;
+medium: the same PD with a constant rightward bias, so the cart drifts off the track after ~200
+steps; epsilon-random actions as noise) and Pendulum-v1 (continuous; expert: energy-shaping
+swing-up and PD balance at the top; medium: pumps the energy slightly above the top's, so the
+pendulum swings over the top forever instead of balancing; Gaussian action noise). Every other
+environment offers only ``random``.
 """
 
 from __future__ import annotations
@@ -34,6 +44,14 @@ def cartpole_controller(obs: np.ndarray) -> int:
     the track within 500 steps. Push right (1) when the weighted error is positive."""
     x, x_dot, theta, theta_dot = (float(v) for v in obs)
     u = 10.0 * theta + 2.0 * theta_dot + 0.1 * x + 0.3 * x_dot
+    return int(u > 0.0)
+
+
+def cartpole_biased_controller(obs: np.ndarray) -> int:
+    """The expert's PD with a constant bias: the pole leans, the cart keeps accelerating to one side
+    and leaves the track (|x| > 2.4) after about 220 steps; the medium policy."""
+    x, x_dot, theta, theta_dot = (float(v) for v in obs)
+    u = 10.0 * theta + 2.0 * theta_dot + 0.1 * x + 0.3 * x_dot + 0.5
     return int(u > 0.0)
 
 
@@ -57,18 +75,29 @@ def pendulum_controller(obs: np.ndarray) -> np.ndarray:
     return np.array([np.clip(u, -_PENDULUM_MAX_TORQUE, _PENDULUM_MAX_TORQUE)], dtype=np.float32)
 
 
+def pendulum_spinning_controller(obs: np.ndarray) -> np.ndarray:
+    """Energy shaping towards E = 2 (a little above the upright's E = 0) and no balancing: the
+    pendulum goes over the top and keeps circling, about a third of the expert's score; the
+    medium policy."""
+    cos_t, sin_t, theta_dot = (float(v) for v in obs)
+    energy = 0.5 * theta_dot**2 + _PENDULUM_W2 * (cos_t - 1.0)
+    direction = math.copysign(1.0, theta_dot) if abs(theta_dot) > 1e-3 else 1.0
+    u = -1.0 * (energy - 2.0) * direction
+    return np.array([np.clip(u, -_PENDULUM_MAX_TORQUE, _PENDULUM_MAX_TORQUE)], dtype=np.float32)
+
+
 @dataclass(frozen=True)
 class _Scripted:
-    controller: Callable[[np.ndarray], Any]
+    expert: Callable[[np.ndarray], Any]
+    medium: Callable[[np.ndarray], Any]
     discrete: bool
-    expert_noise: float  # epsilon (discrete) or Gaussian action std as a fraction of the range
-    medium_noise: float
-    random_noise: float  # the noise level that "replay" reaches at its worst
+    noise: float  # epsilon (discrete) or Gaussian action std as a fraction of the range, expert and medium
+    worst_noise: float  # the noise level that "replay" reaches at its worst
 
 
 _SCRIPTED: dict[str, _Scripted] = {
-    "CartPole-v1": _Scripted(cartpole_controller, True, 0.02, 0.5, 1.0),
-    "Pendulum-v1": _Scripted(pendulum_controller, False, 0.1, 2.0, 3.0),
+    "CartPole-v1": _Scripted(cartpole_controller, cartpole_biased_controller, True, 0.02, 1.0),
+    "Pendulum-v1": _Scripted(pendulum_controller, pendulum_spinning_controller, False, 0.1, 3.0),
 }
 
 
@@ -96,14 +125,14 @@ def _random_policy(action_space: Any) -> Policy:
     raise ValueError(f"random policy supports Discrete and Box action spaces, got {action_space}")
 
 
-def _noisy(spec: _Scripted, action_space: Any, noise: float) -> Policy:
+def _noisy(spec: _Scripted, controller: Callable[[np.ndarray], Any], action_space: Any, noise: float) -> Policy:
     if spec.discrete:
         n = int(action_space.n)
 
         def act(obs: np.ndarray, rng: np.random.Generator) -> int:
             if rng.random() < noise:
                 return int(rng.integers(n))
-            return int(spec.controller(obs))
+            return int(controller(obs))
 
         return act
 
@@ -111,7 +140,7 @@ def _noisy(spec: _Scripted, action_space: Any, noise: float) -> Policy:
     scale = (high - low) / 2.0
 
     def act_c(obs: np.ndarray, rng: np.random.Generator) -> np.ndarray:
-        a = np.asarray(spec.controller(obs), dtype=np.float64)
+        a = np.asarray(controller(obs), dtype=np.float64)
         if noise > 0:
             a = a + rng.normal(0.0, noise, size=a.shape) * scale
         return np.clip(a, low, high).astype(action_space.dtype)
@@ -133,14 +162,14 @@ def make_policy(env_id: str, name: str, action_space: Any, rng: np.random.Genera
             f"(scripted policies exist for {', '.join(_SCRIPTED)})"
         )
     if name == "reference":
-        return _noisy(spec, action_space, 0.0)
+        return _noisy(spec, spec.expert, action_space, 0.0)
     if name == "expert":
-        return _noisy(spec, action_space, spec.expert_noise)
+        return _noisy(spec, spec.expert, action_space, spec.noise)
     if name == "medium":
-        return _noisy(spec, action_space, spec.medium_noise)
+        return _noisy(spec, spec.medium, action_space, spec.noise)
     if rng is None:
         raise ValueError("the 'replay' policy needs rng= to draw its per-episode noise level")
-    return _noisy(spec, action_space, float(rng.uniform(spec.expert_noise, spec.random_noise)))
+    return _noisy(spec, spec.medium, action_space, float(rng.uniform(spec.noise, spec.worst_noise)))
 
 
 def rollout(env: Any, policy: Policy, seed: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
