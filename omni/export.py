@@ -102,8 +102,19 @@ def save_pretrained(model: nn.Module, directory: str | os.PathLike, config: Mapp
             if set(state_dict) != expected:
                 raise ValueError(f"state_dict keys do not match the model: missing {sorted(expected - set(state_dict))}, "
                                  f"unexpected {sorted(set(state_dict) - expected)}")
-            # Separate, contiguous CPU copies: safetensors refuses tensors that share memory (tied weights).
-            tensors = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in state_dict.items()}
+            # A gathered state dict holds tied weights once per name, as separate tensors. Store each tie
+            # once under the name save_model keeps (the first in sorted order), or load_model would call
+            # the other names unexpected.
+            drop = set()
+            for names in tied_names(model):
+                names = [n for n in names if n in expected]
+                for n in names[1:]:
+                    if not torch.equal(state_dict[n], state_dict[names[0]]):
+                        raise ValueError(f"state_dict: {n} and {names[0]} are one tied tensor in the model but "
+                                         "differ in state_dict")
+                drop.update(names[1:])
+            # Separate, contiguous CPU copies: safetensors refuses tensors that share memory.
+            tensors = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in state_dict.items() if k not in drop}
             save_file(tensors, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
         for name, tok in (tokenizers or {}).items():
             tok.save(tmp / TOKENIZERS_DIR / name)
@@ -121,6 +132,16 @@ def save_pretrained(model: nn.Module, directory: str | os.PathLike, config: Mapp
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return directory
+
+
+def tied_names(model: nn.Module) -> list[list[str]]:
+    """Groups (sorted) of the names under which one parameter or buffer object is registered more than once
+    in ``model`` (e.g. an LM head tied to the embedding table). By object identity, not storage, so it also
+    works on FSDP2 modules (DTensor parameters)."""
+    groups: dict[int, list[str]] = {}
+    for name, t in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
+        groups.setdefault(id(t), []).append(name)
+    return [sorted(g) for g in groups.values() if len(g) > 1]
 
 
 def load_config(directory: str | os.PathLike) -> dict[str, Any]:
@@ -233,4 +254,4 @@ def build_omni_model(config: dict[str, Any], tokenizers: dict[str, Any]) -> nn.M
 
 
 __all__ = ["build_omni_model", "get_builder", "load_config", "load_pretrained", "load_tokenizers",
-           "register_builder", "save_pretrained"]
+           "register_builder", "save_pretrained", "tied_names"]

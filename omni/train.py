@@ -36,6 +36,13 @@ What it does, and the traps it avoids (docs/research/pitfalls.md):
   saved-and-restored one, so neither shifts the training stream (dropout). Resume needs the same number
   of processes (per-rank data positions); ``compile`` may change (checkpoints hold plain names).
   Checkpoints assume a file system every rank sees (as Accelerate's ``save_state`` does).
+* FSDP2. ``accelerate launch --config_file recipes/accelerate_fsdp2.yaml`` (or an ``fsdp_plugin`` with
+  ``fsdp_version=2`` in ``accelerator_kwargs``) shards the model with ``fully_shard``; the loop is the same
+  (``no_sync`` for accumulation, the gradient norm of the sharded gradients), checkpoints are sharded
+  (torch.distributed.checkpoint) and resume exactly, the export gathers the full weights. Accelerate only
+  does FSDP on GPUs; on CPU ranks (gloo) the Trainer switches it on itself (``_fsdp_on_cpu``), and a
+  multi-process launch on a machine without an accelerator runs on the CPU (``use_cpu``), so 2 CPU
+  processes reproduce 1 process on the same global batch (tests/test_fsdp2.py).
 * Logging. TensorBoard through Accelerate trackers (``output_dir/logs/<run_name>``) with a flattened
   config (nested dicts are rejected by TensorBoard's hparams, pitfall 7); tqdm on the main process.
 * Export. At the end the main process writes ``output_dir/final/`` (model.safetensors + config.json [+
@@ -182,15 +189,58 @@ def unwrap(model: nn.Module) -> nn.Module:
             return model
 
 
-def process_state() -> Any:
-    """Accelerate's PartialState for recipes that need the rank before building the Trainer (data
-    splitting, building datasets once). It honours ACCELERATE_USE_CPU as Accelerator does: a bare
-    PartialState() ignores it, and since the state is a process-wide singleton, a later Accelerator
-    would then see a single-process state on every CPU rank (torchrun / accelerate launch --cpu)."""
-    from accelerate import PartialState
+def use_cpu() -> bool:
+    """Whether this process trains on the CPU: ACCELERATE_USE_CPU is set, or a multi-process launch
+    (WORLD_SIZE > 1) runs on a machine without an accelerator. Accelerate alone turns the latter into N
+    unrelated single-process runs (DistributedType.NO, num_processes 1 on every rank, all writing the same
+    output_dir): that is what ``accelerate launch --config_file recipes/accelerate_fsdp2.yaml`` (use_cpu:
+    false) does on a CPU-only machine."""
     from accelerate.utils import parse_flag_from_env
 
-    return PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU"))
+    if parse_flag_from_env("ACCELERATE_USE_CPU"):
+        return True
+    accel = getattr(torch, "accelerator", None)
+    has_accelerator = accel.is_available() if accel is not None else torch.cuda.is_available()
+    return int(os.environ.get("WORLD_SIZE", "1") or 1) > 1 and not has_accelerator
+
+
+def process_state() -> Any:
+    """Accelerate's PartialState for recipes that need the rank before building the Trainer (data
+    splitting, building datasets once). It honours ACCELERATE_USE_CPU as Accelerator does (and
+    ``use_cpu``): a bare PartialState() ignores it, and since the state is a process-wide singleton, a
+    later Accelerator would then see a single-process state on every CPU rank (torchrun / accelerate
+    launch --cpu)."""
+    from accelerate import PartialState
+
+    return PartialState(cpu=use_cpu())
+
+
+def _fsdp_on_cpu(accelerator: Any, plugin: Any = None) -> None:
+    """Make a multi-process CPU (gloo) run use the FSDP it was asked for (ACCELERATE_USE_FSDP, from
+    ``accelerate launch --config_file recipes/accelerate_fsdp2.yaml`` or an ``fsdp_plugin``).
+
+    Accelerate (1.15) applies FSDP only on GPUs and other accelerators: AcceleratorState.__init__ switches
+    to DistributedType.FSDP only inside ``elif self.distributed_type in [MULTI_GPU, MULTI_MLU, ...,
+    MULTI_NEURON]`` (accelerate/state.py), so under ACCELERATE_USE_CPU the run silently becomes plain DDP
+    (MULTI_CPU) and the plugin is dropped. torch's ``fully_shard`` works on CPU over gloo, and so does
+    Accelerate's FSDP2 code (prepare, no_sync, clip_grad_norm_, get_state_dict, sharded save_state /
+    load_state) once the state names FSDP: switch it here, before anything is prepared. Both shared
+    states are set: every ``AcceleratorState()`` re-reads PartialState's distributed_type."""
+    from accelerate import FullyShardedDataParallelPlugin, PartialState
+    from accelerate.utils import DistributedType
+
+    plugin = plugin if plugin is not None else FullyShardedDataParallelPlugin()  # from the FSDP_* env vars
+    if plugin.fsdp_version != 2:
+        raise ValueError("FSDP on CPU needs fsdp_version 2 (torch.distributed.fsdp.fully_shard); got "
+                         f"fsdp_version {plugin.fsdp_version}")
+    precision = accelerator.state.mixed_precision
+    if precision == "fp16":
+        raise ValueError("FSDP on CPU: use mixed precision bf16 or no (fp16 needs a GPU grad scaler)")
+    if precision != "no":
+        plugin.set_mixed_precision(precision)  # as AcceleratorState does for FSDP on a GPU
+    accelerator.state.fsdp_plugin = plugin
+    accelerator.state.distributed_type = DistributedType.FSDP
+    PartialState._shared_state["distributed_type"] = DistributedType.FSDP
 
 
 def seed_everything(seed: int) -> None:
@@ -470,8 +520,14 @@ class Trainer:
             handlers.append(DistributedDataParallelKwargs(find_unused_parameters=True))
         # Scheduler stepped once per optimizer step, by us (Accelerate's default steps it
         # num_processes times per step); accumulation is ours too (grad_accum micro-batches per step).
+        if use_cpu():
+            kwargs.setdefault("cpu", True)
         self.accelerator = acc = Accelerator(step_scheduler_with_optimizer=False, gradient_accumulation_steps=1,
                                              kwargs_handlers=handlers, **kwargs)
+        from accelerate.utils import DistributedType, parse_flag_from_env
+
+        if parse_flag_from_env("ACCELERATE_USE_FSDP") and acc.distributed_type == DistributedType.MULTI_CPU:
+            _fsdp_on_cpu(acc, kwargs.get("fsdp_plugin"))
         set_seed(config.seed, device_specific=True)  # per-rank streams (dropout differs across ranks)
 
         groups = param_groups(model) if param_groups is not None else default_param_groups(model, config.weight_decay)
@@ -646,6 +702,8 @@ class Trainer:
         max_norm = cfg.clip_norm if cfg.clip_norm and cfg.clip_norm > 0 else float("inf")
         norm = acc.clip_grad_norm_(self.model.parameters(), max_norm)
         norm = norm if isinstance(norm, Tensor) else torch.tensor(float(norm))
+        if hasattr(norm, "full_tensor"):  # FSDP2: a replicated DTensor, which torch.cat below refuses
+            norm = norm.full_tensor()
         # One small all-reduce and one host sync per step: global loss/metrics for logging, and the
         # non-finite flags every rank must agree on before anyone steps the optimizer.
         packed = torch.stack([loss_sum, *[metric_sums[k] for k in self._metric_names], tokens,

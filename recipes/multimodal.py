@@ -16,8 +16,15 @@ and optimizer state sharded over ranks, one ``fully_shard`` per trunk ``Block``)
 Accelerate config ``recipes/accelerate_fsdp2.yaml`` (``distributed_type: FSDP``, ``fsdp_version: 2``,
 transformer-based wrap of ``Block``, bf16): pass it with ``--config_file`` and set ``--num_processes`` to
 the GPU count. Embedders and heads stay in the root FSDP unit, so the LM head tied to the text embedding
-stays one parameter. On CPU, ``accelerate launch --cpu --num_processes 2`` starts ONE process; use
-``ACCELERATE_USE_CPU=1 torchrun --nproc-per-node 2 recipes/multimodal.py`` (gloo) instead.
+stays one parameter; checkpoints are sharded (torch.distributed.checkpoint, one file per rank, resume with
+the same process count), the export in <out>/final is the gathered full model. The same command runs FSDP2
+on CPU processes over gloo (omni.train switches Accelerate to FSDP there, which it only does on GPUs by
+itself; tests/test_fsdp2.py runs it with 2 processes):
+
+    accelerate launch --config_file recipes/accelerate_fsdp2.yaml --num_processes 2 recipes/multimodal.py --preset tiny
+
+On CPU, ``accelerate launch --cpu --num_processes 2`` starts ONE process; for DDP over 2 CPU processes use
+``ACCELERATE_USE_CPU=1 torchrun --nproc-per-node 2 recipes/multimodal.py`` (gloo).
 
 Tasks (``tasks`` config entry; ``weight`` = sampling weight, ``loss_weight`` = factor on its loss):
 
@@ -311,10 +318,13 @@ def main(argv=None, *, on_trained=None) -> dict:
                       export_config=export, export_tokenizers=merge_tokenizers(tasks["train"]),
                       export_module=lambda m: m.omni)
     if state.is_main_process:
-        n_params = sum(p.numel() for p in unwrap(trainer.model).parameters())
+        acc = trainer.accelerator
+        n_params = sum(p.numel() for p in unwrap(trainer.model).parameters())  # DTensor: the global count
         mix = ", ".join(f"{t.name} ({t.kind}, w={t.weight:g}, {len(t)} items)" for t in tasks["train"])
+        mode = "FSDP2" if acc.is_fsdp2 else "FSDP" if acc.distributed_type == "FSDP" else "DDP"
+        where = f"{acc.device}, {mode} x {acc.num_processes} processes" if acc.num_processes > 1 else str(acc.device)
         print(f"multimodal preset {cfg['preset']}: {n_params / 1e6:.2f}M parameters, {cfg['steps']} steps of "
-              f"{cfg['rows']} x {cfg['row_length']} tokens, tasks: {mix}; {trainer.accelerator.device}", flush=True)
+              f"{cfg['rows']} x {cfg['row_length']} tokens, tasks: {mix}; {where}", flush=True)
     start = time.time()
     metrics = trainer.fit(finish=on_trained is None)
     if on_trained is not None:
