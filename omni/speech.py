@@ -18,6 +18,10 @@ Design decisions (documented here because recipes/whisper.py and `omni transcrib
   (``max_new_tokens``, and ``tokens_per_second`` (25) x clip seconds + 8), and a repetition guard that stops
   a row whose last ``max_repeats`` blocks of ``p`` tokens (p = 1 .. ``max_period``) are identical and
   keeps only the first copy of that block.
+* ``GraphedGreedyDecoder`` (and ``greedy_decode(graph=True)``) runs the same greedy rules as ONE fixed-shape
+  decoder step with all state on the device (position, stop flags, repetition guard), captured once in a
+  CUDA graph and replayed per token, optionally torch.compile'd first; on CPU the step runs eagerly. Same
+  tokens as ``greedy_decode`` (tests/test_whisper_decode_graph.py); benchmarks/whisper_throughput.py times it.
 * Long audio (longer than the tokenizer's ``max_seconds``, 30 s) is cut by ``split_windows`` at the
   quietest 20 ms frame of the last ``search_seconds`` of each window, so cuts fall in pauses, not in
   words; the windows are decoded as independent batch rows and their texts joined with one space.
@@ -217,12 +221,29 @@ def _repeated_tail(out: Tensor, t: int, max_period: int, max_repeats: int) -> Te
 @torch.no_grad()
 def greedy_decode(model: SpeechRecognizer, memory: Tensor, audio_mask: Tensor | None = None, *,
                   max_new_tokens: int = 224, tokens_per_second: float | None = 25.0,
-                  max_period: int = 8, max_repeats: int | None = 4, use_cache: bool = True,
-                  check_every: int = 1) -> list[list[int]]:
+                  max_period: int = 8, max_repeats: int | None = 4, min_new_tokens: int = 0,
+                  use_cache: bool = True, check_every: int = 1, graph: bool = False) -> list[list[int]]:
     """Batched greedy decoding. memory (B, S, d) from ``model.encode``; returns the generated ids of each
     row (prompt and eos excluded). ``use_cache=False`` recomputes the whole prefix every step (the
     reference the cached path must match token for token). ``check_every`` steps between host syncs
-    that stop once every row is done (larger = fewer syncs on GPU, identical output)."""
+    that stop once every row is done (larger = fewer syncs on GPU, identical output). ``min_new_tokens``:
+    no row stops or is cut below that many tokens (eos suppressed before, the repetition guard neither
+    fires before nor trims below it), as Hugging Face's option of that name (benchmarks use it for a fixed
+    token count); the token limits still apply.
+
+    ``graph=True`` decodes with a one-off ``GraphedGreedyDecoder`` (fixed-shape step: one CUDA graph
+    replayed per token on CUDA, run eagerly elsewhere), same tokens; ``check_every`` is then at least 16.
+    To decode many batches of one shape, build a ``GraphedGreedyDecoder`` once and call it per batch."""
+    if graph:
+        if not use_cache:
+            raise ValueError("graph=True decodes with the static KV cache; it cannot be combined with use_cache=False")
+        # The cache holds exactly as many slots as this call needs, as below (same attention shapes).
+        steps = int(_limits(model, audio_mask, memory.shape[0], max_new_tokens, tokens_per_second,
+                            memory.device).max())
+        decoder = GraphedGreedyDecoder(model, max_new_tokens=steps, tokens_per_second=tokens_per_second,
+                                       max_period=max_period, max_repeats=max_repeats,
+                                       min_new_tokens=min_new_tokens, check_every=max(check_every, 16))
+        return decoder(memory, audio_mask)
     B, dev = memory.shape[0], memory.device
     prompt = torch.tensor(model.prompt, device=dev).expand(B, -1)
     limit = _limits(model, audio_mask, B, max_new_tokens, tokens_per_second, dev)
@@ -233,15 +254,18 @@ def greedy_decode(model: SpeechRecognizer, memory: Tensor, audio_mask: Tensor | 
     done = torch.zeros(B, dtype=torch.bool, device=dev)
     h = model.decode_hidden(prompt, memory, audio_mask, cache)
     for t in range(steps):
-        nxt = model.head(h[:, -1]).argmax(-1)
+        logits = model.head(h[:, -1])
+        if t < min_new_tokens:
+            logits[:, model.eos_id] = float("-inf")
+        nxt = logits.argmax(-1)
         nxt = torch.where(done, torch.full_like(nxt, model.pad_id), nxt)
         out[:, t] = nxt
         ended = ~done & (nxt == model.eos_id)
         length = torch.where(ended, torch.full_like(length, t), length)
-        if max_repeats is not None:
+        if max_repeats is not None and t >= min_new_tokens:
             keep = _repeated_tail(out, t, max_period, max_repeats)
             rep = ~done & ~ended & (keep >= 0)
-            length = torch.where(rep, keep, length)
+            length = torch.where(rep, keep.clamp(min=min_new_tokens), length)
             ended = ended | rep
         done = done | ended | (t + 1 >= limit)
         if t + 1 == steps or ((t + 1) % check_every == 0 and bool(done.all())):
@@ -252,6 +276,272 @@ def greedy_decode(model: SpeechRecognizer, memory: Tensor, audio_mask: Tensor | 
             h = model.decode_hidden(torch.cat([prompt, out[:, :t + 1]], 1), memory, audio_mask)
     lengths = length.tolist()
     return [row[:n] for row, n in zip(out.tolist(), lengths)]
+
+
+# ----------------------------------------------------------------------------------------------------
+# Fixed-shape greedy decoding: one decoder step captured in a CUDA graph, replayed per token
+
+
+class _StaticCache:
+    """The decoder's KV cache as the trunk's attention layers use it (``update`` and ``cross``, duck-typing
+    omni.trunk.KVCache), but written at a slot held in a DEVICE tensor. KVCache keeps its fill level as a
+    Python int (a new value each token: nothing a CUDA graph can replay); here the slot is data, so one
+    step has fixed shapes and addresses whatever the token index.
+
+    One (B, G, max_length, D) tensor per layer rather than KVCache's single (L, ...) tensor: torch.compile
+    writes a separate input in place, but copied the whole buffer for a write into one layer's view of a
+    shared one (seen in the generated code). Each layer tensor has the strides of KVCache.k[layer]."""
+
+    def __init__(self, k: list[Tensor], v: list[Tensor], cross: list[tuple[Tensor, Tensor]], slot: Tensor) -> None:
+        self.k, self.v = k, v  # per layer (B, G, max_length, D)
+        self.cross = cross  # per layer (k, v), each (B, G, S, D)
+        self.slot = slot  # (1,) long: where this step's key/value go
+
+    def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        # index_put_ (not a Python slice) so torch.compile sees an in-place write it can keep in place; the
+        # cast (a no-op unless autocast made k/v bf16 and the cache is fp32) is what slice assignment does
+        self.k[layer][:, :, self.slot] = k.to(self.k[layer].dtype)
+        self.v[layer][:, :, self.slot] = v.to(self.v[layer].dtype)
+        return self.k[layer], self.v[layer]
+
+
+class GraphedGreedyDecoder:
+    """Batched greedy decoding with the same rules and tokens as ``greedy_decode``, written as one
+    fixed-shape step (no host sync, no Python state per token) so that on CUDA it is captured once in a
+    ``torch.cuda.CUDAGraph`` and each token is a single ``replay()``.
+
+    One step = embed the last token at its position (a device tensor) -> decoder blocks (self-attention
+    over the static KV cache, written at that position; cross-attention over the cross K/V computed once
+    per batch) -> LM head -> argmax -> the stop bookkeeping of ``greedy_decode`` on device: eos ends a row
+    (pad afterwards), per-row token limits, the repetition guard (``_repeat_keep_static``, all periods at
+    once), ``min_new_tokens``. Whether every row has finished is read on the host only every
+    ``check_every`` tokens; steps after a row finished write pad and change nothing, so the output does
+    not depend on ``check_every``.
+
+    The object owns the static buffers and the graph and is reused across batches of ONE shape: the
+    first call fixes batch size, memory length, dtype, device and whether an ``audio_mask`` is given
+    (capturing the graph then); a call with another shape raises. ``max_new_tokens`` sizes the cache.
+
+    graph:   capture and replay a CUDA graph (default: when ``memory`` is on CUDA). Off, the same step runs
+             eagerly (CPU, tests). Graph replay launches the kernels eager mode launches, so the tokens are
+             identical to ``greedy_decode``'s given the same cache size (as ``greedy_decode(graph=True)``
+             builds it).
+    compile: ``torch.compile`` the step before capture (fuses the many small kernels of a one-token
+             step). Compiled kernels round differently from eager ones, so on near-ties a token may differ
+             from ``greedy_decode``, as with any compiled model. Each decoder compiles its own step (meant
+             for long-lived decoders; past torch._dynamo's cache_size_limit per process, steps run uncompiled).
+    Inference dtype: run the model in its serving dtype (``model.to(torch.bfloat16)``); under autocast the
+    capture disables autocast's weight-cast cache (a graph cannot hold it), so casts are replayed.
+    """
+
+    def __init__(self, model: SpeechRecognizer, *, max_new_tokens: int = 224,
+                 tokens_per_second: float | None = 25.0, max_period: int = 8, max_repeats: int | None = 4,
+                 min_new_tokens: int = 0, check_every: int = 16, graph: bool | None = None,
+                 compile: bool = False) -> None:
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if max_repeats is not None and (max_repeats < 1 or max_period < 1):
+            raise ValueError(f"max_repeats and max_period must be >= 1, got {max_repeats}, {max_period}")
+        if check_every < 1:
+            raise ValueError(f"check_every must be >= 1, got {check_every}")
+        self.model = model
+        self.max_new_tokens, self.tokens_per_second = max_new_tokens, tokens_per_second
+        self.max_period, self.max_repeats, self.min_new_tokens = max_period, max_repeats, min_new_tokens
+        self.check_every, self.graph, self.compile = check_every, graph, compile
+        self.prompt_length = len(model.prompt)
+        self._shape: tuple | None = None  # (B, S, memory dtype, device, masked) fixed by the first call
+        self._graph: torch.cuda.CUDAGraph | None = None
+        self._step_fn = torch.compile(self._step, fullgraph=True, dynamic=False) if compile else self._step
+
+    # -- buffers ---------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def _allocate(self, memory: Tensor, audio_mask: Tensor | None) -> None:
+        """Static buffers for batches shaped like this one (allocated once: the graph reads their addresses)."""
+        m, dec = self.model, self.model.decoder
+        B, S, dev = memory.shape[0], memory.shape[1], memory.device
+        self._shape = (B, S, memory.dtype, dev, audio_mask is not None)
+        L = self.prompt_length + self.max_new_tokens
+        # The prompt runs through Trunk.forward with a KVCache (the layout and dtype greedy_decode uses);
+        # its keys/values are then copied into the per-layer step buffers.
+        self._prompt_cache = dec.new_cache(B, L, dtype=memory.dtype)
+        # Cross K/V: one (B, S, 2*G*D) projection per layer, viewed exactly as CrossAttention.memory_kv does.
+        self._cross_raw = [block.cross.kv(memory) for block in dec.blocks]
+        cross = []
+        for raw, block in zip(self._cross_raw, dec.blocks):
+            G, D = block.cross.n_kv, block.cross.head_dim
+            k, v = raw.view(B, S, 2, G, D).permute(2, 0, 3, 1, 4)
+            cross.append((k, v))
+        self._slot = torch.zeros(1, dtype=torch.long, device=dev)
+        self._cache = _StaticCache([k.clone() for k in self._prompt_cache.k],
+                                   [v.clone() for v in self._prompt_cache.v], cross, self._slot)
+        self._slots = torch.arange(L, device=dev)  # for the self-attention mask: slots <= position
+        self._mask = audio_mask.clone() if audio_mask is not None else None
+        self._prompt = torch.tensor(m.prompt, device=dev).expand(B, -1)
+        # decoding state, all on device
+        self._t = torch.zeros((), dtype=torch.long, device=dev)  # index of the token being chosen
+        self._token = torch.zeros(B, dtype=torch.long, device=dev)  # last chosen token (next step's input)
+        self._out = torch.full((B, self.max_new_tokens), m.pad_id, dtype=torch.long, device=dev)
+        self._length = torch.zeros(B, dtype=torch.long, device=dev)  # tokens kept per row
+        self._done = torch.zeros(B, dtype=torch.bool, device=dev)
+        self._limit = torch.zeros(B, dtype=torch.long, device=dev)
+        if self.max_repeats is not None:  # index tables of the vectorised repetition guard
+            self._repeat_tables = _repeat_tables(self.max_period, self.max_repeats, dev)
+
+    def _check_shape(self, memory: Tensor, audio_mask: Tensor | None) -> None:
+        got = (memory.shape[0], memory.shape[1], memory.dtype, memory.device, audio_mask is not None)
+        if got != self._shape:
+            raise ValueError(f"this GraphedGreedyDecoder was built for (batch, memory length, dtype, device, "
+                             f"masked) = {self._shape}, got {got}: build one decoder per batch shape")
+
+    # -- the step --------------------------------------------------------------------------------------
+
+    def _decoder_hidden(self, token: Tensor, position: Tensor) -> Tensor:
+        """Decoder hidden state (B, 1, d) of ``token`` (B,) at ``position`` (1,) long, reading and extending
+        the static cache. Trunk.forward for one cached token, with the position as data: the same modules
+        in the same order with the same shapes, so eager numbers equal the KVCache path's."""
+        m, trunk = self.model, self.model.decoder
+        B = token.shape[0]
+        x = m.text_embed(token[:, None])  # (B, 1, d)
+        positions = position.view(1, 1).expand(B, 1)
+        positions = torch.stack([positions, positions], dim=-1)  # 1-D -> (p, p), as Trunk.forward
+        if trunk.absolute is not None:
+            x = x + trunk.absolute(positions).to(x.dtype)
+        rope = trunk.rope(positions) if trunk.rope is not None else None
+        # the cached slots 0..position (KVCache.attention_mask for one token: earlier slots + its own),
+        # materialised (B, 1, 1, max_length) like KVCache's mask so SDPA sees the same layout
+        mask = (self._slots <= position).view(1, 1, 1, -1).expand(B, 1, 1, -1).contiguous()
+        self._slot.copy_(position)
+        for i, block in enumerate(trunk.blocks):
+            x = block(x, rope, mask, None, self._mask, self._cache, i)
+        return trunk.norm(x)
+
+    def _advance(self, logits: Tensor) -> None:
+        """Choose token number ``t`` of every row from ``logits`` (B, vocab) and update the stop state:
+        greedy_decode's loop body with ``t`` as a device tensor, written into the static buffers."""
+        m, t = self.model, self._t
+        if self.min_new_tokens > 0:  # eos cannot win before min_new_tokens
+            logits[:, m.eos_id] = torch.where(t < self.min_new_tokens, float("-inf"), logits[:, m.eos_id])
+        done, length = self._done, self._length
+        nxt = logits.argmax(-1)
+        nxt = torch.where(done, m.pad_id, nxt)
+        self._out.scatter_(1, t.expand(nxt.shape[0], 1), nxt[:, None])  # out[:, t] = nxt
+        ended = ~done & (nxt == m.eos_id)
+        length = torch.where(ended, t, length)
+        if self.max_repeats is not None:
+            keep = _repeat_keep_static(self._out, t, self.max_repeats, *self._repeat_tables)
+            rep = ~done & ~ended & (keep >= 0) & (t >= self.min_new_tokens)
+            length = torch.where(rep, keep.clamp(min=self.min_new_tokens), length)
+            ended = ended | rep
+        self._done.copy_(done | ended | (t + 1 >= self._limit))
+        self._length.copy_(length)
+        self._token.copy_(nxt)
+        self._t.add_(1)
+
+    def _step(self) -> None:
+        """One token: the previous token (consumed at cache slot prompt_length - 1 + t) -> the next."""
+        h = self._decoder_hidden(self._token, (self._t + (self.prompt_length - 1)).view(1))
+        self._advance(self.model.head(h[:, -1]))
+
+    # -- per batch -------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def _start(self, memory: Tensor, audio_mask: Tensor | None) -> int:
+        """Reset the state for a new batch, fill the cross K/V, run the prompt (eagerly: it is one call per
+        batch, through Trunk.forward exactly as greedy_decode) and choose token 0. Returns the step count."""
+        m, dec = self.model, self.model.decoder
+        B = memory.shape[0]
+        for raw, block in zip(self._cross_raw, dec.blocks):
+            raw.copy_(block.cross.kv(memory))
+        if audio_mask is not None:
+            self._mask.copy_(audio_mask)
+        cache = self._prompt_cache
+        cache.k.zero_()
+        cache.v.zero_()
+        cache.valid.zero_()
+        cache.length = 0
+        cache.cross = list(self._cache.cross)  # cross K/V given: the prompt reads them
+        limit = _limits(m, audio_mask, B, self.max_new_tokens, self.tokens_per_second, memory.device)
+        self._limit.copy_(limit)
+        self._t.zero_()
+        self._out.fill_(m.pad_id)
+        self._length.copy_(limit)
+        self._done.zero_()
+        h = m.decode_hidden(self._prompt, None, self._mask, cache)
+        for layer in range(len(dec.blocks)):
+            self._cache.k[layer].copy_(cache.k[layer])
+            self._cache.v[layer].copy_(cache.v[layer])
+        self._advance(m.head(h[:, -1]))
+        return int(limit.max())
+
+    def _capture(self) -> None:
+        """Warm up (compile, cuBLAS/cuDNN handles, autotuning) on a side stream, then capture one step."""
+        autocast = torch.is_autocast_enabled("cuda")
+        with (torch.cuda.device(self._shape[3]),  # streams and graph on the memory's GPU
+              torch.autocast("cuda", dtype=torch.get_autocast_dtype("cuda"), enabled=autocast, cache_enabled=False)):
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(3):
+                    self._t.fill_(1)  # every warm-up step writes the same in-range slot
+                    self._step_fn()
+            torch.cuda.current_stream().wait_stream(side)
+            self._t.fill_(1)
+            self._graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self._graph):
+                self._step_fn()
+
+    @torch.no_grad()
+    def __call__(self, memory: Tensor, audio_mask: Tensor | None = None) -> list[list[int]]:
+        """memory (B, S, d) from ``model.encode`` (+ its audio_mask) -> generated ids per row, as greedy_decode."""
+        if self._shape is None:
+            self._allocate(memory, audio_mask)
+        self._check_shape(memory, audio_mask)
+        graph = memory.is_cuda if self.graph is None else self.graph
+        if graph and not memory.is_cuda:
+            raise ValueError("graph=True needs CUDA tensors; use graph=False to run the step eagerly")
+        steps = self._start(memory, audio_mask)
+        if graph and self._graph is None and self.max_new_tokens > 1:
+            self._capture()  # the warm-up and capture steps changed the state: start the batch again
+            steps = self._start(memory, audio_mask)
+        for t in range(steps):
+            if t > 0:
+                if graph:
+                    self._graph.replay()
+                else:
+                    self._step_fn()
+            if t + 1 == steps or ((t + 1) % self.check_every == 0 and bool(self._done.all())):
+                break
+        lengths = self._length.tolist()
+        return [row[:n] for row, n in zip(self._out.tolist(), lengths)]
+
+
+def _repeat_tables(max_period: int, max_repeats: int, device: torch.device) -> tuple[Tensor, ...]:
+    """Index tables for ``_repeat_keep_static``. With W = max_period * max_repeats tail tokens, period p
+    (window w = p * max_repeats, the last w tokens) repeats when tail[j] == tail[j - p] for every j in
+    [W - w + p, W). Rows of ``a``/``b`` hold those (j, j - p) pairs per period, padded with (W-1, W-1)
+    (always equal); ``period`` is 1..max_period; ``offsets`` (1-W .. 0) + t index the last W tokens."""
+    W, n = max_period * max_repeats, (max_repeats - 1) * max_period
+    a = torch.full((max_period, n), W - 1, dtype=torch.long)
+    b = a.clone()
+    for p in range(1, max_period + 1):
+        j = torch.arange(W - p * max_repeats + p, W)
+        a[p - 1, :len(j)], b[p - 1, :len(j)] = j, j - p
+    period, offsets = torch.arange(1, max_period + 1), torch.arange(1 - W, 1)
+    return a.to(device), b.to(device), period.to(device), offsets.to(device)
+
+
+def _repeat_keep_static(out: Tensor, t: Tensor, max_repeats: int, a: Tensor, b: Tensor,
+                        period: Tensor, offsets: Tensor) -> Tensor:
+    """``_repeated_tail`` with ``t`` a device tensor and all periods compared at once (a handful of
+    kernels instead of a few per period): (B,) length to keep for rows whose tokens out[:, :t+1] end in
+    ``max_repeats`` copies of one block of p <= max_period tokens, else -1. The shortest period wins,
+    i.e. the largest kept length."""
+    index = (t + offsets).clamp(min=0)  # out[:, t+1-W .. t], W = max_period * max_repeats
+    tail = out.index_select(1, index)  # (B, W); clamped columns only feed periods masked below
+    hit = (tail[:, a] == tail[:, b]).all(-1) & (t + 1 >= period * max_repeats)  # (B, max_period)
+    keep = t + 1 - (max_repeats - 1) * period  # (max_period,)
+    return torch.where(hit, keep, -1).amax(-1)
 
 
 def _length_normalised(score: float, length: int, alpha: float) -> float:
@@ -525,8 +815,8 @@ def error_rates(references: Sequence[str], hypotheses: Sequence[str]) -> dict[st
 
 
 __all__ = [
-    "SpeechBatch", "SpeechCollate", "SpeechRecognizer", "beam_search", "build_speech_recognizer",
-    "edit_distance", "error_counts", "error_rates", "greedy_decode", "load_recognizer", "normalize_text",
-    "pad_audio", "read_audio_file", "speech_example", "speech_loss", "split_windows", "transcribe_batch",
-    "transcribe_files", "transcribe_waveforms",
+    "GraphedGreedyDecoder", "SpeechBatch", "SpeechCollate", "SpeechRecognizer", "beam_search",
+    "build_speech_recognizer", "edit_distance", "error_counts", "error_rates", "greedy_decode", "load_recognizer",
+    "normalize_text", "pad_audio", "read_audio_file", "speech_example", "speech_loss", "split_windows",
+    "transcribe_batch", "transcribe_files", "transcribe_waveforms",
 ]
