@@ -92,11 +92,12 @@ class SpeechRecognizer(nn.Module):
         return self.encoder(self.audio_embed(audio), None, mask)
 
     def decode_hidden(self, text: Tensor, memory: Tensor | None, audio_mask: Tensor | None,
-                      cache: KVCache | None = None) -> Tensor:
+                      cache: KVCache | None = None, cache_position: Tensor | None = None) -> Tensor:
         """text ids (B, T) -> decoder hidden states (B, T, d); with a cache, ``memory`` is needed on the
-        first call only (cross-attention K/V are cached)."""
+        first call only (cross-attention K/V are cached). ``cache_position``: the cache slot of text[:, 0]
+        as a device tensor (fixed-shape decoding, see Trunk.forward), else after ``cache.length``."""
         return self.decoder(self.text_embed(text), None, "causal" if cache is None else None,
-                            memory=memory, memory_mask=audio_mask, cache=cache)
+                            memory=memory, memory_mask=audio_mask, cache=cache, cache_position=cache_position)
 
     def forward(self, audio: Tensor, audio_mask: Tensor | None, text: Tensor) -> Tensor:
         """Teacher forcing: logits (B, T, vocab) for every text position."""
@@ -282,41 +283,18 @@ def greedy_decode(model: SpeechRecognizer, memory: Tensor, audio_mask: Tensor | 
 # Fixed-shape greedy decoding: one decoder step captured in a CUDA graph, replayed per token
 
 
-class _StaticCache:
-    """The decoder's KV cache as the trunk's attention layers use it (``update`` and ``cross``, duck-typing
-    omni.trunk.KVCache), but written at a slot held in a DEVICE tensor. KVCache keeps its fill level as a
-    Python int (a new value each token: nothing a CUDA graph can replay); here the slot is data, so one
-    step has fixed shapes and addresses whatever the token index.
-
-    One (B, G, max_length, D) tensor per layer rather than KVCache's single (L, ...) tensor: torch.compile
-    writes a separate input in place, but copied the whole buffer for a write into one layer's view of a
-    shared one (seen in the generated code). Each layer tensor has the strides of KVCache.k[layer]."""
-
-    def __init__(self, k: list[Tensor], v: list[Tensor], cross: list[tuple[Tensor, Tensor]], slot: Tensor) -> None:
-        self.k, self.v = k, v  # per layer (B, G, max_length, D)
-        self.cross = cross  # per layer (k, v), each (B, G, S, D)
-        self.slot = slot  # (1,) long: where this step's key/value go
-
-    def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        # index_put_ (not a Python slice) so torch.compile sees an in-place write it can keep in place; the
-        # cast (a no-op unless autocast made k/v bf16 and the cache is fp32) is what slice assignment does
-        self.k[layer][:, :, self.slot] = k.to(self.k[layer].dtype)
-        self.v[layer][:, :, self.slot] = v.to(self.v[layer].dtype)
-        return self.k[layer], self.v[layer]
-
-
 class GraphedGreedyDecoder:
     """Batched greedy decoding with the same rules and tokens as ``greedy_decode``, written as one
     fixed-shape step (no host sync, no Python state per token) so that on CUDA it is captured once in a
     ``torch.cuda.CUDAGraph`` and each token is a single ``replay()``.
 
-    One step = embed the last token at its position (a device tensor) -> decoder blocks (self-attention
-    over the static KV cache, written at that position; cross-attention over the cross K/V computed once
-    per batch) -> LM head -> argmax -> the stop bookkeeping of ``greedy_decode`` on device: eos ends a row
-    (pad afterwards), per-row token limits, the repetition guard (``_repeat_keep_static``, all periods at
-    once), ``min_new_tokens``. Whether every row has finished is read on the host only every
-    ``check_every`` tokens; steps after a row finished write pad and change nothing, so the output does
-    not depend on ``check_every``.
+    One step = the last token through the decoder at its position held in a device tensor
+    (``Trunk.forward(..., cache_position=...)``: self-attention over the trunk's static KVCache, written at
+    that slot; cross-attention over the cross K/V computed once per batch) -> LM head -> argmax -> the
+    stop bookkeeping of ``greedy_decode`` on device: eos ends a row (pad afterwards), per-row token limits,
+    the repetition guard (``_repeat_keep_static``, all periods at once), ``min_new_tokens``. Whether every
+    row has finished is read on the host only every ``check_every`` tokens; steps after a row finished
+    write pad and change nothing, so the output does not depend on ``check_every``.
 
     The object owns the static buffers and the graph and is reused across batches of ONE shape: the
     first call fixes batch size, memory length, dtype, device and whether an ``audio_mask`` is given
@@ -362,20 +340,18 @@ class GraphedGreedyDecoder:
         B, S, dev = memory.shape[0], memory.shape[1], memory.device
         self._shape = (B, S, memory.dtype, dev, audio_mask is not None)
         L = self.prompt_length + self.max_new_tokens
-        # The prompt runs through Trunk.forward with a KVCache (the layout and dtype greedy_decode uses);
-        # its keys/values are then copied into the per-layer step buffers.
-        self._prompt_cache = dec.new_cache(B, L, dtype=memory.dtype)
-        # Cross K/V: one (B, S, 2*G*D) projection per layer, viewed exactly as CrossAttention.memory_kv does.
+        # The trunk's KVCache (the layout and dtype greedy_decode uses): the prompt fills it through the
+        # Python-int path, each step writes it at a device-tensor position (cache_position); it is reset
+        # in place per batch, so the captured step keeps reading the same tensors.
+        self._cache = dec.new_cache(B, L, dtype=memory.dtype)
+        # Cross K/V: one (B, S, 2*G*D) projection per layer, viewed exactly as CrossAttention.memory_kv does,
+        # refilled in place per batch.
         self._cross_raw = [block.cross.kv(memory) for block in dec.blocks]
-        cross = []
+        self._cross = []
         for raw, block in zip(self._cross_raw, dec.blocks):
             G, D = block.cross.n_kv, block.cross.head_dim
             k, v = raw.view(B, S, 2, G, D).permute(2, 0, 3, 1, 4)
-            cross.append((k, v))
-        self._slot = torch.zeros(1, dtype=torch.long, device=dev)
-        self._cache = _StaticCache([k.clone() for k in self._prompt_cache.k],
-                                   [v.clone() for v in self._prompt_cache.v], cross, self._slot)
-        self._slots = torch.arange(L, device=dev)  # for the self-attention mask: slots <= position
+            self._cross.append((k, v))
         self._mask = audio_mask.clone() if audio_mask is not None else None
         self._prompt = torch.tensor(m.prompt, device=dev).expand(B, -1)
         # decoding state, all on device
@@ -395,26 +371,6 @@ class GraphedGreedyDecoder:
                              f"masked) = {self._shape}, got {got}: build one decoder per batch shape")
 
     # -- the step --------------------------------------------------------------------------------------
-
-    def _decoder_hidden(self, token: Tensor, position: Tensor) -> Tensor:
-        """Decoder hidden state (B, 1, d) of ``token`` (B,) at ``position`` (1,) long, reading and extending
-        the static cache. Trunk.forward for one cached token, with the position as data: the same modules
-        in the same order with the same shapes, so eager numbers equal the KVCache path's."""
-        m, trunk = self.model, self.model.decoder
-        B = token.shape[0]
-        x = m.text_embed(token[:, None])  # (B, 1, d)
-        positions = position.view(1, 1).expand(B, 1)
-        positions = torch.stack([positions, positions], dim=-1)  # 1-D -> (p, p), as Trunk.forward
-        if trunk.absolute is not None:
-            x = x + trunk.absolute(positions).to(x.dtype)
-        rope = trunk.rope(positions) if trunk.rope is not None else None
-        # the cached slots 0..position (KVCache.attention_mask for one token: earlier slots + its own),
-        # materialised (B, 1, 1, max_length) like KVCache's mask so SDPA sees the same layout
-        mask = (self._slots <= position).view(1, 1, 1, -1).expand(B, 1, 1, -1).contiguous()
-        self._slot.copy_(position)
-        for i, block in enumerate(trunk.blocks):
-            x = block(x, rope, mask, None, self._mask, self._cache, i)
-        return trunk.norm(x)
 
     def _advance(self, logits: Tensor) -> None:
         """Choose token number ``t`` of every row from ``logits`` (B, vocab) and update the stop state:
@@ -440,7 +396,8 @@ class GraphedGreedyDecoder:
 
     def _step(self) -> None:
         """One token: the previous token (consumed at cache slot prompt_length - 1 + t) -> the next."""
-        h = self._decoder_hidden(self._token, (self._t + (self.prompt_length - 1)).view(1))
+        position = self._t + (self.prompt_length - 1)  # () long, on device: no Python int per token
+        h = self.model.decode_hidden(self._token[:, None], None, self._mask, self._cache, position)
         self._advance(self.model.head(h[:, -1]))
 
     # -- per batch -------------------------------------------------------------------------------------
@@ -455,12 +412,9 @@ class GraphedGreedyDecoder:
             raw.copy_(block.cross.kv(memory))
         if audio_mask is not None:
             self._mask.copy_(audio_mask)
-        cache = self._prompt_cache
-        cache.k.zero_()
-        cache.v.zero_()
-        cache.valid.zero_()
-        cache.length = 0
-        cache.cross = list(self._cache.cross)  # cross K/V given: the prompt reads them
+        cache = self._cache
+        cache.reset()
+        cache.cross = list(self._cross)  # cross K/V given: the prompt and the steps read them
         limit = _limits(m, audio_mask, B, self.max_new_tokens, self.tokens_per_second, memory.device)
         self._limit.copy_(limit)
         self._t.zero_()
@@ -468,9 +422,6 @@ class GraphedGreedyDecoder:
         self._length.copy_(limit)
         self._done.zero_()
         h = m.decode_hidden(self._prompt, None, self._mask, cache)
-        for layer in range(len(dec.blocks)):
-            self._cache.k[layer].copy_(cache.k[layer])
-            self._cache.v[layer].copy_(cache.v[layer])
         self._advance(m.head(h[:, -1]))
         return int(limit.max())
 
@@ -627,7 +578,9 @@ def beam_search(model: SpeechRecognizer, memory: Tensor, audio_mask: Tensor | No
         seqs = new_seqs
         scores = torch.tensor(new_scores, device=dev)
         index = torch.tensor(src, device=dev)
-        cache.k, cache.v = cache.k.index_select(1, index), cache.v.index_select(1, index)
+        # beams follow their source beam; cross K/V stay (the beams of a row share its memory)
+        cache.k = [k.index_select(0, index) for k in cache.k]
+        cache.v = [v.index_select(0, index) for v in cache.v]
         cache.valid = cache.valid.index_select(0, index)
         h = model.decode_hidden(torch.tensor(tokens, device=dev)[:, None], None, mask, cache)
     return [max(f, key=lambda x: x[0])[1] if f else [] for f in finished]

@@ -230,7 +230,7 @@ class SelfAttention(nn.Module):
         self.out = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=cfg.bias)
 
     def forward(self, x: Tensor, rope: tuple[Tensor, Tensor] | None, mask: Mask,
-                cache: "KVCache | None" = None, layer: int = 0) -> Tensor:
+                cache: "KVCache | None" = None, layer: int = 0, slots: Tensor | None = None) -> Tensor:
         B, T, _ = x.shape
         q, k, v = self.qkv(x).split([self.n_heads * self.head_dim, self.n_kv * self.head_dim,
                                       self.n_kv * self.head_dim], dim=-1)
@@ -240,7 +240,7 @@ class SelfAttention(nn.Module):
         if rope is not None:
             q, k = apply_rotary(q, rope), apply_rotary(k, rope)
         if cache is not None:  # write the new keys/values, attend over the whole static buffer
-            k, v = cache.update(layer, k, v)  # (B, G, max_length, D)
+            k, v = cache.update(layer, k, v, slots)  # (B, G, max_length, D)
         y = attend(q, k, v, mask)  # (B, H, T, D)
         return self.out(y.transpose(1, 2).reshape(B, T, -1))
 
@@ -290,8 +290,8 @@ class Block(nn.Module):
 
     def forward(self, x: Tensor, rope: tuple[Tensor, Tensor] | None, mask: Mask,
                 memory: Tensor | None = None, memory_mask: Tensor | None = None,
-                cache: "KVCache | None" = None, layer: int = 0) -> Tensor:
-        x = x + self.drop(self.attn(self.attn_norm(x), rope, mask, cache, layer))
+                cache: "KVCache | None" = None, layer: int = 0, slots: Tensor | None = None) -> Tensor:
+        x = x + self.drop(self.attn(self.attn_norm(x), rope, mask, cache, layer, slots))
         if self.cross is not None:
             x = x + self.drop(self.cross(self.cross_norm(x), memory, memory_mask, cache, layer))
         return x + self.drop(self.mlp(self.mlp_norm(x)))
@@ -308,56 +308,97 @@ class KVCache:
     Shapes never change while decoding (a precondition for CUDA graphs): every step attends over
     the whole buffer (B, G, max_length, D) and a mask hides the slots not written yet and the
     slots written as padding. Cross-attention K/V are computed on the first call and reused.
+
+    Two ways to say where new tokens go:
+      length (Python int)      the default: append after `length` slots, then advance it. A new int
+                               each call, so a step can be neither captured in a CUDA graph nor
+                               compiled once for all positions.
+      slots  (device tensor)   Trunk.forward(..., cache_position=p): write slots p .. p+T-1 with
+                               index_put_, mask from p; `length` is neither read nor advanced (the
+                               caller keeps p). Fixed shapes and addresses, no host sync: one graph
+                               replays every step.
+    Keys/values are one tensor PER LAYER, not one (L, ...) tensor: torch.compile writes a separate
+    input in place but copies the whole shared buffer for a write into one layer's view of it.
     """
 
-    k: Tensor  # (L, B, G, max_length, D)
-    v: Tensor  # (L, B, G, max_length, D)
+    k: list[Tensor]  # per layer (B, G, max_length, D)
+    v: list[Tensor]  # per layer (B, G, max_length, D)
     valid: Tensor  # (B, max_length) bool: slot written by a real (non-pad) token
-    length: int = 0  # slots used so far
+    length: int = 0  # slots used so far (the Python-int path)
     cross: list[tuple[Tensor, Tensor] | None] = field(default_factory=list)
 
     @classmethod
     def empty(cls, cfg: TrunkConfig, batch_size: int, max_length: int,
               device: torch.device | str | None = None, dtype: torch.dtype = torch.float32) -> "KVCache":
-        shape = (cfg.n_layers, batch_size, cfg.kv_heads, max_length, cfg.head_dim)
-        return cls(k=torch.zeros(shape, device=device, dtype=dtype), v=torch.zeros(shape, device=device, dtype=dtype),
-                   valid=torch.zeros(batch_size, max_length, dtype=torch.bool, device=device),
+        shape = (batch_size, cfg.kv_heads, max_length, cfg.head_dim)
+        new = lambda: [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layers)]  # noqa: E731
+        return cls(k=new(), v=new(), valid=torch.zeros(batch_size, max_length, dtype=torch.bool, device=device),
                    cross=[None] * cfg.n_layers)
 
     @property
     def max_length(self) -> int:
-        return self.k.shape[3]
+        return self.valid.shape[1]
 
-    def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        T = k.shape[2]
-        self.k[layer, :, :, self.length:self.length + T] = k
-        self.v[layer, :, :, self.length:self.length + T] = v
+    def reset(self) -> None:
+        """Empty the cache IN PLACE (the same tensors: a captured CUDA graph keeps its addresses);
+        cross K/V are dropped (recomputed on the next call that passes memory)."""
+        for t in self.k + self.v:
+            t.zero_()  # stale slots are masked anyway; zeros keep old NaN/inf out of 0 * v
+        self.valid.zero_()
+        self.length = 0
+        self.cross = [None] * len(self.k)
+
+    def update(self, layer: int, k: Tensor, v: Tensor, slots: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """Write k/v (B, G, T, D) after `length`, or at `slots` (T,) long; -> the layer's whole buffers."""
+        if slots is None:
+            T = k.shape[2]
+            self.k[layer][:, :, self.length:self.length + T] = k
+            self.v[layer][:, :, self.length:self.length + T] = v
+        else:  # index_put_, not a slice: compiles to an in-place write; the cast is what slice assignment does
+            self.k[layer][:, :, slots] = k.to(self.k[layer].dtype)
+            self.v[layer][:, :, slots] = v.to(self.v[layer].dtype)
         return self.k[layer], self.v[layer]
 
-    def attention_mask(self, T: int, new_mask: Mask, pad: Tensor | None) -> Tensor:
+    def attention_mask(self, T: int, new_mask: Mask, pad: Tensor | None, slots: Tensor | None = None) -> Tensor:
         """Mask (B, 1, T, max_length) for T new tokens: all earlier valid slots, plus `new_mask`
-        (None = causal, "full" = bidirectional, or bool (B|1, 1, T, T)) among the new tokens."""
-        start, B = self.length, self.valid.shape[0]
-        if start + T > self.max_length:
-            raise ValueError(f"KV cache overflow: {start} cached + {T} new > max_length {self.max_length}")
-        self.valid[:, start:start + T] = True if pad is None else ~pad
-        device = self.valid.device
-        if new_mask is None or (isinstance(new_mask, str) and new_mask == "causal"):
-            block = torch.ones(T, T, dtype=torch.bool, device=device).tril()[None, None]
-        elif isinstance(new_mask, str) and new_mask == "full":
-            block = torch.ones(1, 1, T, T, dtype=torch.bool, device=device)
-        elif isinstance(new_mask, Tensor):
-            block = new_mask
-        else:
-            raise TypeError(f"with a KV cache the mask must be None/'causal'/'full' or a bool tensor, got {type(new_mask)}")
-        full = torch.zeros(B, 1, T, self.max_length, dtype=torch.bool, device=device)
-        full[..., :start] = True
-        full[..., start:start + T] = block
+        (None = causal, "full" = bidirectional, or bool (B|1, 1, T, T)) among the new tokens.
+        The new tokens go after `length`, or at `slots` (T,) = p .. p+T-1 (a device tensor: no overflow
+        check, which would need a host sync; an out-of-range slot fails in index_put_)."""
+        B, device = self.valid.shape[0], self.valid.device
+        block = _new_token_block(T, new_mask, device)  # (B|1, 1, T, T)
+        if slots is None:
+            start = self.length
+            if start + T > self.max_length:
+                raise ValueError(f"KV cache overflow: {start} cached + {T} new > max_length {self.max_length}")
+            self.valid[:, start:start + T] = True if pad is None else ~pad
+            full = torch.zeros(B, 1, T, self.max_length, dtype=torch.bool, device=device)
+            full[..., :start] = True
+            full[..., start:start + T] = block
+            full = full & self.valid[:, None, None, :]
+            # A pad query that sees nothing would give NaN: let it see its own slot.
+            own = torch.zeros_like(full)
+            own[..., start:start + T] = torch.eye(T, dtype=torch.bool, device=device)
+            return full | own
+        # The same mask (pad queries seeing their own slot included) from slot offsets rel[s] = s - p,
+        # with no Python int.
+        self.valid[:, slots] = torch.ones(B, T, dtype=torch.bool, device=device) if pad is None else ~pad
+        rel = torch.arange(self.max_length, device=device) - slots[0]  # (max_length,)
+        new = (rel >= 0) & (rel < T)  # slots of the new tokens
+        full = (rel < 0) | (new & block[..., rel.clamp(0, T - 1)])  # (B|1, 1, T, max_length)
         full = full & self.valid[:, None, None, :]
-        # A pad query that sees nothing would give NaN: let it see its own slot.
-        own = torch.zeros_like(full)
-        own[..., start:start + T] = torch.eye(T, dtype=torch.bool, device=device)
+        own = rel == torch.arange(T, device=device)[:, None]  # (T, max_length): query i sees slot p + i
         return full | own
+
+
+def _new_token_block(T: int, new_mask: Mask, device: torch.device) -> Tensor:
+    """Which new tokens see which (B|1, 1, T, T), from a cached call's mask argument."""
+    if new_mask is None or (isinstance(new_mask, str) and new_mask == "causal"):
+        return torch.ones(T, T, dtype=torch.bool, device=device).tril()[None, None]
+    if isinstance(new_mask, str) and new_mask == "full":
+        return torch.ones(1, 1, T, T, dtype=torch.bool, device=device)
+    if isinstance(new_mask, Tensor):
+        return new_mask
+    raise TypeError(f"with a KV cache the mask must be None/'causal'/'full' or a bool tensor, got {type(new_mask)}")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -392,7 +433,8 @@ class Trunk(nn.Module):
 
     def forward(self, x: Tensor, positions: Tensor | None = None, mask: Mask | str = None,
                 memory: Tensor | None = None, memory_mask: Tensor | None = None,
-                cache: KVCache | None = None, pad: Tensor | None = None) -> Tensor:
+                cache: KVCache | None = None, pad: Tensor | None = None,
+                cache_position: Tensor | None = None) -> Tensor:
         """x (B, T, d) embeddings -> (B, T, d) normalised hidden states.
 
         positions: (B, T, 2) or (B, T) ints; default 0..T-1 (continuing after the cache).
@@ -400,21 +442,32 @@ class Trunk(nn.Module):
                    among the new tokens (earlier cached tokens are always visible).
         memory:    (B, S, d) encoder output for cross-attention; memory_mask (B, S) bool, True = keep.
         cache:     KVCache to read and extend (incremental decoding); pad (B, T) bool marks pad tokens.
+        cache_position: () or (1,) long DEVICE tensor p: the new tokens take cache slots p .. p+T-1
+                   (and positions p .. by default) instead of following cache.length, which is left
+                   alone. Nothing then depends on a Python int, so a step compiles and CUDA-graphs once.
         """
         B, T, _ = x.shape
+        slots = None  # (T,) cache slots of the new tokens, when given as data
+        if cache_position is not None:
+            if cache is None or cache_position.numel() != 1:
+                raise ValueError("cache_position is one slot index (a () or (1,) tensor) and needs a cache")
+            slots = cache_position.reshape(1) + torch.arange(T, device=cache_position.device)
         if positions is None:
-            start = cache.length if cache is not None else 0
-            positions = torch.arange(start, start + T, device=x.device).expand(B, T)
+            if slots is not None:
+                positions = slots.expand(B, T)
+            else:
+                start = cache.length if cache is not None else 0
+                positions = torch.arange(start, start + T, device=x.device).expand(B, T)
         if positions.dim() == 2:
             positions = torch.stack([positions, positions], dim=-1)  # 1-D -> (p, p)
         if self.absolute is not None:
             x = x + self.absolute(positions).to(x.dtype)
         rope = self.rope(positions) if self.rope is not None else None
         if cache is not None:
-            mask = cache.attention_mask(T, mask, pad)
+            mask = cache.attention_mask(T, mask, pad, slots)
         for i, block in enumerate(self.blocks):
-            x = block(x, rope, mask, memory, memory_mask, cache, i)
-        if cache is not None:
+            x = block(x, rope, mask, memory, memory_mask, cache, i, slots)
+        if cache is not None and slots is None:
             cache.length += T
         return self.norm(x)
 

@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+from torch import Tensor
 from torch.nn.attention.flex_attention import create_block_mask
 
 from omni.trunk import PRESETS, Trunk, TrunkConfig, attend, preset
@@ -122,6 +123,128 @@ def test_kv_cache_overflow_is_an_error():
     cache = trunk.new_cache(1, 4)
     with pytest.raises(ValueError, match="overflow"):
         trunk(torch.randn(1, 5, 32), cache=cache)
+
+
+def _cached_run(trunk, x, memory, mm, chunks, tensor_position, pad=None, positions=None, mask=None):
+    """Run x (B, T, d) through a fresh cache in chunks (list of lengths), slots given as a Python int
+    (cache.length) or as a device tensor (cache_position); pad and mask apply to the first chunk,
+    positions (B, T) (default: the slots) to every chunk."""
+    cache = trunk.new_cache(x.shape[0], max_length=32)
+    out, t = [], 0
+    for i, n in enumerate(chunks):
+        kw = dict(pad=pad, mask=mask) if i == 0 else {}
+        if positions is not None:
+            kw["positions"] = positions[:, t:t + n]
+        if tensor_position:
+            kw["cache_position"] = torch.tensor(t)
+        out.append(trunk(x[:, t:t + n], memory=memory if i == 0 else None, memory_mask=mm, cache=cache, **kw))
+        t += n
+    return torch.cat(out, 1), cache
+
+
+@pytest.mark.parametrize("overrides", CACHE_CONFIGS, ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()))
+def test_cache_position_equals_int_path_and_full_recompute(overrides):
+    """Slots as a device tensor (the CUDA-graph path) give exactly the Python-int path's numbers, so both
+    equal full recomputation; cache.length is left alone."""
+    cfg = TrunkConfig(d_model=64, n_layers=3, n_heads=4, **overrides)
+    trunk = Trunk(cfg).eval()
+    B, T, S = 2, 23, 11
+    x = torch.randn(B, T, cfg.d_model)
+    memory = torch.randn(B, S, cfg.d_model) if cfg.cross_attention else None
+    mm = torch.ones(B, S, dtype=torch.bool) if cfg.cross_attention else None
+    if mm is not None:
+        mm[1, 7:] = False
+    with torch.no_grad():
+        full = trunk(x, mask="causal", memory=memory, memory_mask=mm)
+        for chunks in ([1] * T, [9, 5] + [1] * 9):  # token by token; a prefill, a chunk, then tokens
+            ref, ref_cache = _cached_run(trunk, x, memory, mm, chunks, tensor_position=False)
+            got, cache = _cached_run(trunk, x, memory, mm, chunks, tensor_position=True)
+            assert torch.equal(got, ref)
+            torch.testing.assert_close(got, full, atol=1e-5, rtol=1e-5)
+            assert cache.length == 0 and ref_cache.length == T
+            for a, b in zip(cache.k + cache.v + [cache.valid], ref_cache.k + ref_cache.v + [ref_cache.valid]):
+                assert torch.equal(a, b)
+    # mixing: an int-path prefill (advances length) then tensor-position steps (as GraphedGreedyDecoder)
+    with torch.no_grad():
+        cache = trunk.new_cache(B, max_length=32)
+        out = [trunk(x[:, :4], memory=memory, memory_mask=mm, cache=cache)]
+        out += [trunk(x[:, t:t + 1], memory_mask=mm, cache=cache, cache_position=torch.tensor([t]))
+                for t in range(4, T)]
+    torch.testing.assert_close(torch.cat(out, 1), full, atol=1e-5, rtol=1e-5)
+
+
+def test_cache_position_padded_rows_and_block_masks():
+    """valid handling on the tensor path: left-padded rows (per-row positions) equal the int path and
+    each row run alone; mask='full' and a bool block among the new tokens (prefix-LM prefill) too."""
+    cfg = TrunkConfig(d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, positions="rope")
+    trunk = Trunk(cfg).eval()
+    x = torch.randn(2, 12, 32)
+    pad = torch.zeros(2, 12, dtype=torch.bool)
+    pad[0, :3] = True  # row 0: 3 left pads then 9 real tokens; row 1: 12 real tokens
+    pos = torch.stack([(torch.arange(12) - 3).clamp(min=0), torch.arange(12)])
+    P = 8  # prompt (pads included) prefilled at once, then 4 single tokens
+    with torch.no_grad():
+        for mask in (None, "full", torch.ones(P, P, dtype=torch.bool).tril()[None, None]):
+            ref, _ = _cached_run(trunk, x, None, None, [P, 1, 1, 1, 1], False, pad[:, :P], pos, mask)
+            got, cache = _cached_run(trunk, x, None, None, [P, 1, 1, 1, 1], True, pad[:, :P], pos, mask)
+            assert torch.equal(got, ref)
+            assert torch.equal(cache.valid[:, :12], ~pad)
+        # causal: each row equals its real tokens run alone (pad slots never seen)
+        got, _ = _cached_run(trunk, x, None, None, [P, 1, 1, 1, 1], True, pad[:, :P], pos)
+        torch.testing.assert_close(got[0, 3:], trunk(x[:1, 3:], mask="causal")[0], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(got[1], trunk(x[1:], mask="causal")[0], atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="needs a cache"):
+        trunk(x, cache_position=torch.tensor(0))
+    with pytest.raises(ValueError, match="one slot index"):
+        trunk(x[:, :1], cache=trunk.new_cache(2, 16), cache_position=torch.tensor([0, 1]))
+
+
+@pytest.mark.parametrize("cross", [False, True])
+def test_cache_position_step_compiles_as_one_graph(cross):
+    """The CPU proxy for CUDA-graph capture: a one-token step at a tensor position traces as ONE graph
+    (fullgraph: no data-dependent Python branch) with static shapes and no value read back to the host
+    (dynamo captures .item()/int(t) as an unbacked SymInt rather than breaking, so the graph is checked
+    for those: on CUDA each would be a sync, which stream capture refuses), through AOT functionalisation
+    (in-place cache writes), with no recompilation as the position changes; results equal eager decoding."""
+    from torch._dynamo.backends.registry import lookup_backend
+
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return lookup_backend("aot_eager")(gm, example_inputs)
+
+    cfg = TrunkConfig(d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, cross_attention=cross,
+                      positions="learned" if cross else "rope", mlp="swiglu", norm="rmsnorm")
+    trunk = Trunk(cfg).eval()
+    B, P, T = 2, 3, 8
+    x = torch.randn(B, T, 32)
+    memory = torch.randn(B, 5, 32) if cross else None
+    mm = torch.tensor([[True] * 5, [True] * 3 + [False] * 2]) if cross else None
+    caches = [trunk.new_cache(B, 16) for _ in range(2)]
+    with torch.no_grad():
+        for c in caches:  # prompt (and cross K/V) eagerly, as a decoder does before capture
+            trunk(x[:, :P], memory=memory, memory_mask=mm, cache=c)
+
+        def step(token: Tensor, position: Tensor, cache) -> Tensor:
+            return trunk(token, memory_mask=mm, cache=cache, cache_position=position)
+
+        torch._dynamo.reset()
+        compiled = torch.compile(step, backend=backend, fullgraph=True, dynamic=False)
+        position = torch.tensor(P)
+        for t in range(P, T):
+            position.fill_(t)  # one static position tensor, updated in place (as a graph replays it)
+            got = compiled(x[:, t:t + 1], position, caches[0])
+            want = step(x[:, t:t + 1], position, caches[1])
+            assert torch.equal(got, want), t
+    assert len(graphs) == 1
+    for node in graphs[0].graph.nodes:  # data-dependent: a symbolic scalar, or a tensor of symbolic shape
+        value = node.meta.get("example_value")
+        symbolic = isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)) or (
+            isinstance(value, Tensor) and not all(isinstance(n, int) for n in value.shape))
+        assert not symbolic, f"host read-back / data-dependent shape in the step: {node.format_node()}"
+    for a, b in zip(caches[0].k + caches[0].v + [caches[0].valid], caches[1].k + caches[1].v + [caches[1].valid]):
+        assert torch.equal(a, b)  # the compiled step wrote the cache in place
 
 
 @pytest.mark.parametrize("positions", ["rope", "rope2d"])

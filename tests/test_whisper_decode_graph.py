@@ -198,8 +198,8 @@ def test_repetition_guard_model(toks):
 
 
 def test_other_trunk_configs(toks):
-    """Learned absolute positions, GQA, RMSNorm + SwiGLU: the step rebuilds Trunk.forward's position and
-    mask logic, so check it beyond the default RoPE trunk."""
+    """Learned absolute positions, GQA, RMSNorm + SwiGLU: the step takes Trunk.forward's tensor-position
+    path (cache_position: positions and mask from a device tensor), so check it beyond the default RoPE trunk."""
     audio, text = toks
     g = torch.Generator().manual_seed(5)
     waves = [torch.randn(int(SR * s), generator=g) * 0.1 for s in (0.5, 0.8)]
@@ -217,7 +217,7 @@ def test_other_trunk_configs(toks):
 
 def test_autocast(random_setup):
     """Under bf16 autocast the encoder output (and so the cache) is fp32 while k/v are bf16: the static
-    cache casts as KVCache's slice assignment does."""
+    step's index_put_ into the cache casts as the prompt's slice assignment does."""
     model, memory, mask = random_setup
     with torch.autocast("cpu", dtype=torch.bfloat16):
         both(model, memory, mask, max_new_tokens=16, tokens_per_second=None, max_repeats=None)
