@@ -188,6 +188,11 @@ def main(argv=None) -> dict:
                             reference=ref, max_steps=limit, device=device, cache=cfg["eval_cache"])
             runs.append({"method": method, "seed": seed, "episodes": len(data), "eval_seconds": time.time() - t0,
                          **{k: v for k, v in metrics.items() if isinstance(v, (int, float))}, "rows": rows})
+            if state.is_main_process:  # one line per target as each run finishes (the table comes at the end)
+                for r in rows:
+                    tgt = "-" if r["target"] is None else f"{r['target']:.1f}"
+                    print(f"{method} seed {seed} target {tgt}: return {r['return_mean']:.1f} ± {r['return_std']:.1f}, "
+                          f"normalised {r['score_mean']:.1f} ({metrics['train_seconds']:.0f} s training)", flush=True)
     # One table row per (method, target): episodes of every training seed pooled.
     for method in cfg["methods"]:
         mine = [r for r in runs if r["method"] == method]

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import omni.tokenizers.base as base
 
@@ -31,3 +32,13 @@ def installed_plugin(tmp_path, monkeypatch):
     monkeypatch.setattr(base, "_REGISTRY", dict(base._REGISTRY))
     yield
     sys.modules.pop("omni_timeseries", None)
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """torch on one intra-op thread: for tiny matmuls on a loaded 2-core box the thread pool costs far
+    more than the work itself (100x seen). Modules opt in with pytestmark."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -20,13 +20,7 @@ CONTEXT, BATCH, CLIP, WD = 4, 8, 0.25, 0.1
 LRS = [1e-2, 1e-2, 3e-3, 3e-3, 0.0, 5e-3, 5e-3]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    # Tiny matmuls: on a loaded 2-core box the intra-op thread pool costs 100x the work itself.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 def tokenizer() -> TrajectoryTokenizer:

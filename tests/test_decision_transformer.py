@@ -37,13 +37,7 @@ from omni.trunk import preset
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    # Tiny matmuls: on a loaded 2-core box the intra-op thread pool costs 100x the work itself.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 def load_recipe():

@@ -36,12 +36,7 @@ from omni.train import use_cpu  # noqa: E402
 CONFIG = str(ROOT / "recipes" / "accelerate_fsdp2.yaml")
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 def _launch(*args: str, cpu_flag: bool = True, timeout: int = 90) -> subprocess.CompletedProcess:

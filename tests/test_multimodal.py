@@ -37,13 +37,7 @@ def load_recipe():
     return module
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    # Tiny matmuls: on a loaded 2-core box the intra-op thread pool costs more than the work itself.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 @pytest.fixture(scope="session")

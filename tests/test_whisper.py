@@ -27,13 +27,7 @@ def tiny_model(audio: AudioTokenizer, text: TextTokenizer, seed: int = 0) -> Spe
     return SpeechRecognizer(audio, text, preset("tiny"), preset("tiny", cross_attention=True))
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """These models are tiny: with 2+ OpenMP threads on a busy CPU, spin-waiting made steps 10x slower."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 @pytest.fixture(scope="module")

@@ -21,13 +21,7 @@ SR = 16000
 SENTENCES = ["The cat sat down.", "A red ball rolls away from the old grey wall.", "Hi.", "Where is my hat?"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models on a shared CPU: more OpenMP threads only spin."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 @pytest.fixture(scope="module")
