@@ -27,6 +27,19 @@ Per-task losses are means over that task's own targets in the batch; the trainin
 sum(loss_weight * task loss). Each task's documents are told apart by ``MixedBatch.document_task``, so two
 tasks may share a modality (ASR transcripts and the text corpus are both "text").
 
+Held-out metrics (``Task.evaluate(model.omni, ...)``): each kind measures what its single-task recipe
+reports, on the task's held-out items, so a jointly trained trunk is compared like for like:
+
+  ClassifyTask   top-1 accuracy (and mean cross-entropy) over every item        (recipes/vit.py)
+  TranscribeTask greedy transcripts -> corpus CER / WER (``omni.speech.error_rates``), decoded by
+                 ``omni.speech.greedy_decode`` itself (same eos / token-limit / repetition rules) through
+                 ``PrefixLMTranscriber``: the audio prefix goes into the trunk's KV cache once
+                 (bidirectional over the real frames), then one cached step per token  (recipes/whisper.py)
+  ActionTask     ``omni.rl.evaluate`` rollouts in the real env through ``TrajectoryPolicy`` (the
+                 DecisionTransformer interface over the shared trunk), target = the expert reference,
+                 normalised score 100 (R - R_random) / (R_expert - R_random)   (recipes/decision_transformer.py)
+  LMTask         token perplexity exp(mean next-token NLL) and bits per UTF-8 byte of the raw text
+
 Mixing (``MixtureLoader``). A batch is ``rows`` packed rows of ``row_length`` tokens (fixed shapes, so
 compiled kernels see one shape). Batch ``i`` of epoch ``e`` on rank ``r`` is a pure function of
 (seed, e, i, r): first ONE sample of every task (in a random order; so every batch trains every head and
@@ -43,6 +56,7 @@ from __future__ import annotations
 
 import math
 import re
+from contextlib import contextmanager
 from dataclasses import dataclass, fields
 from typing import Any, Iterator, Mapping, Sequence
 
@@ -58,7 +72,7 @@ from omni.segment import Sample, Segment
 from omni.tokenizers.base import Tokenizer
 from omni.tokenizers.text import IGNORE_INDEX, TextTokenizer
 from omni.tokenizers.trajectory import TrajectoryTokenizer
-from omni.trunk import TrunkConfig
+from omni.trunk import KVCache, TrunkConfig
 
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
@@ -156,6 +170,10 @@ class Task:
     def loss(self, model: OmniModel, hidden: Tensor, batch: MixedBatch, index: int) -> tuple[Tensor, dict[str, Tensor]]:
         raise NotImplementedError
 
+    def evaluate(self, model: OmniModel, **options: Any) -> dict[str, float]:
+        """The task's held-out metric(s) over all its items (module docstring); ``model`` is the OmniModel."""
+        raise NotImplementedError(f"{type(self).__name__} {self.name!r} has no held-out metric")
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.name!r}, weight={self.weight}, items={len(self)})"
 
@@ -163,6 +181,40 @@ class Task:
 def _masked_mean(values: Tensor, weights: Tensor) -> Tensor:
     """sum(values * w) / max(sum(w), 1): static shapes (no boolean indexing) for torch.compile."""
     return (values * weights).sum() / weights.sum().clamp_min(1.0)
+
+
+@contextmanager
+def _inference(model: nn.Module) -> Iterator[torch.device]:
+    """no_grad + eval mode (restored afterwards); yields the model's device."""
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            yield next(model.parameters()).device
+    finally:
+        model.train(was_training)
+
+
+def eval_batches(samples: Sequence[Sample], row_length: int, rows: int) -> Iterator[PackedBatch]:
+    """The samples in order, placed first-fit into ``rows`` rows of ``row_length`` tokens; a batch is emitted
+    when the next sample fits nowhere. Every batch has the training shape (rows, row_length), so compiled
+    kernels see no new shape (the last batch is partly padding)."""
+    chunk: list[Sample] = []
+    assignment: list[list[int]] = [[] for _ in range(rows)]
+    free = [row_length] * rows
+    for s in samples:
+        n = len(s)
+        if n > row_length:
+            raise ValueError(f"sample {s.key!r} has {n} tokens, more than row_length {row_length}")
+        r = next((r for r in range(rows) if free[r] >= n), None)
+        if r is None:
+            yield _AssignedPacker(row_length, assignment)(chunk)
+            chunk, assignment, free, r = [], [[] for _ in range(rows)], [row_length] * rows, 0
+        assignment[r].append(len(chunk))
+        free[r] -= n
+        chunk.append(s)
+    if chunk:
+        yield _AssignedPacker(row_length, assignment)(chunk)
 
 
 class ClassifyTask(Task):
@@ -227,6 +279,21 @@ class ClassifyTask(Task):
         acc = (logits.argmax(-1) == y).float()
         return _masked_mean(nll, w), {"accuracy": _masked_mean(acc, w)}
 
+    def evaluate(self, model: OmniModel, *, row_length: int = 1024, rows: int = 8) -> dict[str, float]:
+        """Top-1 accuracy and mean cross-entropy (no label smoothing) over every item, as recipes/vit.py
+        reports on its test split. Items are packed ``rows x row_length`` tokens at a time."""
+        rng = np.random.default_rng(0)  # (not drawn from: every item is taken whole)
+        samples = [self.sample(i, rng) for i in range(len(self))]
+        correct, nll = 0, 0.0
+        with _inference(model) as dev:
+            for batch in eval_batches(samples, row_length, rows):
+                batch = batch.to(dev)
+                logits = self.logits(model, model(batch), batch).float()  # one row per segment = per item
+                y = self.segment_labels(batch)
+                correct += int((logits.argmax(-1) == y).sum())
+                nll += float(F.cross_entropy(logits, y, reduction="sum"))
+        return {"accuracy": correct / len(samples), "loss": nll / len(samples), "items": float(len(samples))}
+
 
 def _lm_head(model: OmniModel) -> LMHead:
     table = model.embedders["text"].token
@@ -242,6 +309,14 @@ def _lm_loss(model: OmniModel, head: str, hidden: Tensor, batch: MixedBatch, ind
     nll = F.cross_entropy(logits, safe, reduction="none")
     acc = (logits.argmax(-1) == safe).float()
     return _masked_mean(nll, w), {"token_accuracy": _masked_mean(acc, w)}
+
+
+def _lm_nll_sum(model: OmniModel, head: str, hidden: Tensor, batch: PackedBatch) -> tuple[float, int]:
+    """(summed next-token NLL in nats, predicted tokens) over every text token of a batch of one task."""
+    logits = model.heads[head](OmniModel.gather(hidden, batch, "text")).float()
+    targets = batch.targets["text"]
+    keep = targets != IGNORE_INDEX
+    return float(F.cross_entropy(logits[keep], targets[keep], reduction="sum")), int(keep.sum())
 
 
 class LMTask(Task):
@@ -276,6 +351,23 @@ class LMTask(Task):
     def loss(self, model, hidden, batch, index):
         return _lm_loss(model, self.name, hidden, batch, index)
 
+    def evaluate(self, model: OmniModel, *, row_length: int = 1024, rows: int = 8) -> dict[str, float]:
+        """Held-out language modelling: token perplexity exp(NLL / tokens) and bits per byte
+        NLL / ln 2 / (UTF-8 bytes of the raw texts), NLL summed over every predicted token (the first
+        token after bos through eos; bos itself is given)."""
+        rng = np.random.default_rng(0)  # (not drawn from: every item is taken whole)
+        samples = [self.sample(i, rng) for i in range(len(self))]
+        nll, tokens = 0.0, 0
+        with _inference(model) as dev:
+            for batch in eval_batches(samples, row_length, rows):
+                batch = batch.to(dev)
+                a, b = _lm_nll_sum(model, self.name, model(batch), batch)
+                nll, tokens = nll + a, tokens + b
+        n_bytes = sum(len(t.encode("utf-8")) for t in self.texts)
+        return {"ppl": math.exp(nll / max(tokens, 1)), "bpb": nll / math.log(2) / max(n_bytes, 1),
+                "nll": nll / max(tokens, 1), "tokens": float(tokens), "bytes": float(n_bytes),
+                "documents": float(len(samples))}
+
 
 class TranscribeTask(Task):
     """Speech recognition as a prefix-LM: [audio, <bos><|transcribe|> text <eos>] in one document.
@@ -301,12 +393,14 @@ class TranscribeTask(Task):
     def __len__(self) -> int:
         return len(self.clips)
 
+    def audio_segment(self, i: int) -> Segment:
+        clip = self.clips[i]
+        return clip if isinstance(clip, Segment) else self.audio.encode(clip, key=f"{self.name}/{i}")
+
     def sample(self, i: int, rng: np.random.Generator) -> Sample:
         key = f"{self.name}/{i}"
-        clip = self.clips[i]
-        audio = clip if isinstance(clip, Segment) else self.audio.encode(clip, key=key)
         text = self.text.encode(self.transcripts[i], key=key, task=self.task_token)
-        return Sample([audio, text], key=key, label=self.transcripts[i])
+        return Sample([self.audio_segment(i), text], key=key, label=self.transcripts[i])
 
     def make_heads(self, model: OmniModel) -> dict[str, nn.Module]:
         return {self.name: _lm_head(model)}
@@ -317,6 +411,118 @@ class TranscribeTask(Task):
     def loss(self, model, hidden, batch, index):
         return _lm_loss(model, self.name, hidden, batch, index)
 
+    def transcribe(self, model: OmniModel, indices: Sequence[int] | None = None, *, batch_size: int = 64,
+                   use_cache: bool = True, **guards: Any) -> list[str]:
+        """Greedy transcripts of clips ``indices`` (default all), by ``omni.speech.greedy_decode`` with its
+        defaults (max_new_tokens 224, 25 tokens/s + 8 per clip, repetition guard) unless ``guards`` say
+        otherwise. Clips are sorted by length and decoded ``batch_size`` at a time (little padding)."""
+        from omni.speech import greedy_decode, pad_audio  # decoding is not on the training import path
+
+        idx = list(range(len(self))) if indices is None else [int(i) for i in indices]
+        audio = {i: self.audio_segment(i).tokens for i in idx}
+        order = sorted(set(idx), key=lambda i: audio[i].shape[0])
+        texts: dict[int, str] = {}
+        with _inference(model) as dev:
+            decoder = PrefixLMTranscriber(model, self)
+            for lo in range(0, len(order), batch_size):
+                chunk = order[lo:lo + batch_size]
+                frames, mask = pad_audio([audio[i] for i in chunk])
+                frames, mask = frames.to(dev), mask.to(dev)
+                ids = greedy_decode(decoder, decoder.encode(frames, mask), mask, use_cache=use_cache,
+                                    check_every=8 if use_cache else 1, **guards)
+                texts.update(zip(chunk, (self.text.decode(row) for row in ids)))
+        return [texts[i] for i in idx]
+
+    def evaluate(self, model: OmniModel, *, batch_size: int = 64, **guards: Any) -> dict[str, float]:
+        """Corpus CER and WER of greedy transcripts of every clip (``omni.speech.error_rates``: texts
+        normalised by ``normalize_text``, total edits / total reference characters or words), as
+        recipes/whisper.py reports on its test split."""
+        from omni.speech import error_rates
+
+        hyps = self.transcribe(model, batch_size=batch_size, **guards)
+        return {**error_rates(list(self.transcripts), hyps), "utterances": float(len(hyps))}
+
+
+class PrefixLMTranscriber:
+    """A TranscribeTask of a multitask OmniModel behind the interface ``omni.speech.greedy_decode`` drives
+    (``prompt``, token ids, ``head``, ``decoder.new_cache``, ``decode_hidden``), so the prefix-LM model is
+    decoded by the very code, stop rules and guards that score recipes/whisper.py.
+
+    Layout, as in training (one packed document): [audio frames (bidirectional), bos, <|transcribe|>,
+    generated ... (causal)], audio positions 0..n-1 and text positions from n on, n = that clip's real
+    frames (the packer's rule). ``memory`` is the right-padded audio TOKENS (B, S, F) with ``audio_mask``:
+    the trunk itself runs in ``decode_hidden``.
+
+    With a KV cache (``greedy_decode``'s default) the first call writes the S audio slots in one
+    bidirectional forward (mask "full"; padded frames marked ``pad``, so no token ever sees them) and then
+    the prompt; every later call appends one token per row, at position n_b + its text index. Without a cache
+    every call packs [audio_b, text so far] per clip with the training ``Packer`` and runs the whole packed
+    forward: the reference the cached path must match token for token (tests/test_multimodal.py).
+    Not thread-safe: ``encode`` notes the padded audio length for ``new_cache``.
+    """
+
+    def __init__(self, model: OmniModel, task: TranscribeTask) -> None:
+        self.omni, self.task = model, task
+        self.head = model.heads[task.name]
+        text = task.text
+        self.bos_id, self.eos_id, self.pad_id = text.bos_id, text.eos_id, text.pad_id
+        self.task_id = text.token_id(task.task_token)
+        self.vocab_size = text.vocab_size
+        self.tokens_per_second = task.audio.tokens_per_second
+        self._frames = 0  # S of the batch being decoded
+
+    @property
+    def prompt(self) -> list[int]:
+        return [self.bos_id, self.task_id]
+
+    @property
+    def decoder(self) -> "PrefixLMTranscriber":  # greedy_decode asks model.decoder for its cache
+        return self
+
+    def encode(self, audio: Tensor, audio_mask: Tensor | None = None) -> Tensor:
+        """The 'memory' greedy_decode passes around: the padded audio tokens themselves."""
+        self._frames = audio.shape[1]
+        return audio
+
+    def new_cache(self, batch_size: int, max_length: int, dtype: torch.dtype | None = None) -> KVCache:
+        """Room for the audio prefix plus ``max_length`` text tokens. The audio tokens are float32 whatever
+        the autocast, so the cache follows the trunk's parameters."""
+        return self.omni.trunk.new_cache(batch_size, self._frames + max_length)
+
+    def decode_hidden(self, text: Tensor, memory: Tensor | None, audio_mask: Tensor | None,
+                      cache: KVCache | None = None, cache_position: Tensor | None = None) -> Tensor:
+        """Hidden states (B, T, d) of the text tokens ``text`` (B, T) after the audio prefix."""
+        if cache_position is not None:
+            raise NotImplementedError("PrefixLMTranscriber has no fixed-shape (graphed) decode step")
+        B, T = text.shape
+        dev = text.device
+        S = self._frames
+        frames = audio_mask.sum(1) if audio_mask is not None else torch.full((B,), S, device=dev)
+        if cache is None:
+            return self._packed_hidden(text, memory, frames)
+        trunk = self.omni.trunk
+        if memory is not None:  # first call: the audio prefix, bidirectional over its real frames
+            if cache.length != 0:
+                raise ValueError("the audio prefix goes into an empty cache")
+            pad = None if audio_mask is None else ~audio_mask
+            trunk(self.omni.embedders["audio"](memory), torch.arange(S, device=dev).expand(B, S), "full",
+                  cache=cache, pad=pad)
+        start = cache.length - S  # text tokens already cached
+        positions = frames[:, None] + start + torch.arange(T, device=dev)  # (B, T): row b continues at n_b
+        return trunk(self.omni.embedders["text"](text), positions, None, cache=cache)
+
+    def _packed_hidden(self, text: Tensor, audio: Tensor, frames: Tensor) -> Tensor:
+        """Reference path: the training computation (Packer + packed mask) on [audio_b, text_b] per row, all in
+        one packed row (a dense T x T mask on CPU: for tests and small batches)."""
+        B, T = text.shape
+        samples = []
+        for b, n in enumerate(frames.tolist()):
+            a = Segment("audio", audio[b, :n], torch.arange(n), self.task.audio.role)
+            t = Segment("text", text[b], torch.arange(T), self.task.text.role)
+            samples.append(Sample([a, t], key=f"decode/{b}"))
+        batch = Packer()(samples).to(text.device)  # one row, documents in row order
+        return OmniModel.gather(self.omni(batch), batch, "text").view(B, T, -1)
+
 
 class ActionTask(Task):
     """Offline RL (Decision-Transformer style): windows of ``tokenizer.context`` steps with a random start,
@@ -325,8 +531,11 @@ class ActionTask(Task):
     kind = "action"
 
     def __init__(self, name: str, tokenizer: TrajectoryTokenizer, episodes: Sequence[Mapping[str, Any]], *,
-                 weight: float = 1.0, loss_weight: float = 1.0) -> None:
+                 weight: float = 1.0, loss_weight: float = 1.0, env_id: str | None = None,
+                 reference: tuple[float, float] | None = None) -> None:
         super().__init__(name, weight, loss_weight)
+        self.env_id = env_id  # the Gymnasium env the episodes come from (rollout evaluation)
+        self.reference = None if reference is None else (float(reference[0]), float(reference[1]))  # (random, expert)
         if not len(episodes):
             raise ValueError(f"task {name!r}: no episodes")
         if not tokenizer.discrete and (tokenizer.action_low is None or tokenizer.action_high is None):
@@ -355,15 +564,19 @@ class ActionTask(Task):
         tok = self.tokenizer
         return {self.name: {"type": "action", "n_outputs": tok.n_action_outputs, "discrete": tok.discrete}}
 
-    def predict(self, model: OmniModel, hidden: Tensor, batch: MixedBatch) -> Tensor:
-        """Head output at every trajectory token: logits, or actions rescaled to the bounds."""
-        out = model.heads[self.name](OmniModel.gather(hidden, batch, "trajectory"))
+    def head_output(self, model: OmniModel, hidden: Tensor) -> Tensor:
+        """Action head on trajectory hidden states (..., d): logits, or actions rescaled to the bounds."""
+        out = model.heads[self.name](hidden)
         tok = self.tokenizer
         if not tok.discrete:
             low = torch.as_tensor(tok.action_low, dtype=out.dtype, device=out.device)
             high = torch.as_tensor(tok.action_high, dtype=out.dtype, device=out.device)
             out = (high + low) / 2 + (high - low) / 2 * out
         return out
+
+    def predict(self, model: OmniModel, hidden: Tensor, batch: MixedBatch) -> Tensor:
+        """Head output at every trajectory token of a packed batch."""
+        return self.head_output(model, OmniModel.gather(hidden, batch, "trajectory"))
 
     def loss(self, model, hidden, batch, index):
         tok = self.tokenizer
@@ -378,6 +591,48 @@ class ActionTask(Task):
             per_row = ((pred - targets.float()) ** 2).mean(-1)
             metrics = {}
         return _masked_mean(per_row, w), metrics
+
+    def evaluate(self, model: OmniModel, *, seeds: Sequence[int] = tuple(range(10_000, 10_005)),
+                 target: float | None = None, max_steps: int | None = None, cache: bool = True) -> dict[str, float]:
+        """Rollouts in ``env_id`` with ``omni.rl.evaluate`` (one episode per seed, batched, KV-cached), target
+        return ``target`` (default: the expert reference), normalised by ``reference`` as
+        recipes/decision_transformer.py does. Default seeds: 10000.., disjoint from the data's env seeds."""
+        from omni.rl import evaluate as rollouts
+
+        if self.env_id is None or self.reference is None:
+            raise ValueError(f"task {self.name!r}: rollout evaluation needs env_id and reference (random, expert)")
+        target = self.reference[1] if target is None else float(target)
+        with _inference(model) as dev:
+            row = rollouts(TrajectoryPolicy(model, self), self.tokenizer, self.env_id, targets=[target],
+                           seeds=list(seeds), reference=self.reference, max_steps=max_steps, device=dev,
+                           cache=cache)[0]
+        return {k: float(row[k]) for k in ("score_mean", "score_std", "return_mean", "return_std", "episodes",
+                                           "target")}
+
+
+class TrajectoryPolicy(nn.Module):
+    """An ActionTask of a multitask OmniModel with the DecisionTransformer interface ``omni.rl.rollout`` drives
+    (``forward(tokens, cache)``, ``new_cache``, ``use_returns``), so rollouts reuse omni.rl unchanged.
+
+    tokens (B, T, F) -> the trajectory embedder -> the shared trunk (causal; positions continue after the
+    cache, i.e. the token index inside the window, which is what a packed training window has: a trajectory
+    segment is alone in its document, positions 0..3L-1) -> the task's action head."""
+
+    use_returns = True  # ActionTask trains return-conditioned (R, s, a) windows
+    tokens_per_step = 3
+
+    def __init__(self, model: OmniModel, task: ActionTask) -> None:
+        super().__init__()
+        self.omni, self.task = model, task
+        self.context, self.discrete = task.tokenizer.context, task.tokenizer.discrete
+
+    def forward(self, tokens: Tensor, cache: KVCache | None = None) -> Tensor:
+        h = self.omni.trunk(self.omni.embedders["trajectory"](tokens), mask=None if cache is not None else "causal",
+                            cache=cache)
+        return self.task.head_output(self.omni, h)
+
+    def new_cache(self, batch_size: int, device: torch.device | str | None = None) -> KVCache:
+        return self.omni.trunk.new_cache(batch_size, self.tokens_per_step * self.context, device=device)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -552,5 +807,6 @@ class MixtureLoader:
         self.batches_done = 0
 
 
-__all__ = ["ActionTask", "ClassifyTask", "LMTask", "MixedBatch", "MixtureLoader", "MultitaskModel", "Task",
-           "TranscribeTask", "merge_tokenizers", "multitask_loss", "pack_mixed"]
+__all__ = ["ActionTask", "ClassifyTask", "LMTask", "MixedBatch", "MixtureLoader", "MultitaskModel",
+           "PrefixLMTranscriber", "Task", "TrajectoryPolicy", "TranscribeTask", "eval_batches", "merge_tokenizers",
+           "multitask_loss", "pack_mixed"]

@@ -7,6 +7,7 @@ never across samples. Tasks, mixing and losses: omni/multitask.py.
     python recipes/multimodal.py                          # preset for the device (base on CUDA, tiny on CPU)
     python recipes/multimodal.py --preset tiny            # CPU smoke run (small data, built on first use)
     python recipes/multimodal.py --set "weights={'image': 2.0, 'rl': 0.5}" steps=20000
+    python recipes/multimodal.py --preset small --set "only='image'"     # ONE task through the same recipe
     accelerate launch --num_processes 8 recipes/multimodal.py --preset base                     # DDP
     accelerate launch --config_file recipes/accelerate_fsdp2.yaml --num_processes 8 recipes/multimodal.py --preset base
 
@@ -31,10 +32,14 @@ Tasks (``tasks`` config entry; ``weight`` = sampling weight, ``loss_weight`` = f
   image  classify   Fashion-MNIST (Debian ``dataset-fashion-mnist`` IDX files, else downloaded), patches of
                     ``patch`` px -> mean-pooled classification head. (A caption-style prefix-LM target would
                     also work; a head keeps the metric comparable with recipes/vit.py.)
-  asr    transcribe eSpeak NG speech of public-domain Austen sentences, several voices/speeds -> [audio,
-                    <bos><|transcribe|> text <eos>] as a prefix-LM -> LM head tied to the text embedding.
-  rl     action     a Gymnasium dataset recorded by ``omni data gym`` (CartPole-v1 by default; shared with
-                    recipes/decision_transformer.py) -> windows of ``context`` steps -> action head.
+  asr    transcribe eSpeak NG speech of public-domain Austen sentences -> [audio, <bos><|transcribe|> text
+                    <eos>] as a prefix-LM -> LM head tied to the text embedding. Default source
+                    ``speech-shards``: recipes/whisper.py's own dataset (``shards``, data/speech-synth, built
+                    with its settings if missing), so both train and score on the same clips; the tiny preset
+                    synthesises a few dozen clips itself (``speech-synth``).
+  rl     action     a Gymnasium dataset recorded by ``omni data gym`` (CartPole-v1 by default, built with
+                    recipes/decision_transformer.py's settings; 10% of episodes held out for the eval loss)
+                    -> windows of ``context`` steps -> action head.
   text   lm         Austen paragraphs (janeaustenr) up to ``max_tokens`` BPE tokens -> the tied LM head.
 
 A fifth modality needs a config change only: a registered tokenizer (built in or an installed plug-in,
@@ -50,6 +55,40 @@ tokenizer, labels: ints) and ``lm`` (items: strings, labels ignored).
 Per-task metrics (loss, accuracy / token_accuracy, token_share, documents) are logged to TensorBoard as
 ``train/<task>/<metric>`` and ``eval/<task>/<metric>`` (held-out data: Fashion-MNIST test, unseen sentences,
 held-out episodes and paragraphs). The final OmniModel (every head) is exported to <out>/final.
+
+Task metrics (``eval_tasks``: True = at every eval and at the end, "end" = at the end only, False = never).
+Each task is scored as its single-task recipe scores it, on the same held-out data (``Task.evaluate`` in
+omni/multitask.py):
+
+  image  top-1 accuracy on the Fashion-MNIST test split (all 10k; ``limit_eval`` cuts it)   = recipes/vit.py
+  asr    CER / WER of greedy transcripts of the test clips, omni.speech.greedy_decode's rules and
+         normalize_text (KV-cached prefix-LM decoding)                                       = recipes/whisper.py
+  rl     rollouts in the env, target return = the dataset's expert reference, ``eval_seeds`` seeds
+         (10000..), normalised score 100 (R - R_random) / (R_expert - R_random)  = recipes/decision_transformer.py
+  text   held-out token perplexity and bits per UTF-8 byte (no single-task recipe; the LM baseline is ``only``)
+
+They are logged to TensorBoard as ``eval/<task>/test_<metric>``, printed as a Markdown table (one row per
+task) and written to <out>/results.json. Under FSDP (sharded parameters) they are measured once, at the
+end, on the exported model in the main process.
+
+Equal-compute comparison: same trunk, same steps, same tokens per step (``rows x row_length``), all tasks vs
+one task (``only`` drops every other task: its data, embedders and heads):
+
+    python recipes/multimodal.py --preset small --out runs/mm-all
+    python recipes/multimodal.py --preset small --out runs/mm-image --set "only='image'"
+    python recipes/multimodal.py --preset small --out runs/mm-asr   --set "only='asr'"
+    python recipes/multimodal.py --preset small --out runs/mm-rl    --set "only='rl'"
+    python recipes/multimodal.py --preset small --out runs/mm-text  --set "only='text'"
+
+Each single-task run above spends as much compute (trunk tokens) as the whole joint run. To split the joint
+run's compute instead (the four single runs together = one joint run), give each its share of the steps from
+the joint run's realised token shares (``train/<task>/token_share`` in runs/mm-all/metrics.json), e.g.
+``--set "only='asr'" steps=4000`` for a 0.40 share of 10000 steps. Compare <out>/results.json of each run.
+The single-task recipes themselves (their own trunks and schedules) give the reference numbers:
+
+    python recipes/vit.py --preset fmnist
+    python recipes/whisper.py --preset base
+    python recipes/decision_transformer.py --env CartPole-v1 --set "methods=['dt']" "target_fractions=[1.0]"
 """
 
 from __future__ import annotations
@@ -77,12 +116,17 @@ from omni.trunk import preset
 
 TASKS: dict[str, dict[str, Any]] = {
     "image": dict(kind="classify", source="fashion-mnist", weight=1.0, patch=4, limit_train=None, limit_eval=None),
-    "asr": dict(kind="transcribe", source="speech-synth", weight=1.0, train=20000, test=500, max_words=25,
-                voices=["en-us", "en", "en-us+f3", "en+m3", "en-gb-x-rp"], rates=[140, 210]),
+    # recipes/whisper.py's dataset and decoding limit (max_new_tokens), so CER/WER compare on the same clips
+    "asr": dict(kind="transcribe", source="speech-shards", weight=1.0, shards="data/speech-synth",
+                build=dict(train=20000, test=500), max_new_tokens=224, eval_batch_size=64),
     "rl": dict(kind="action", source="gym", env="CartPole-v1", episodes=1000, mix=None, context=20, weight=0.5,
-               reference_episodes=10),
+               reference_episodes=10, eval_seeds=5, target=None),  # target None: the expert reference
     "text": dict(kind="lm", source="austen", weight=1.0, max_tokens=256, eval_fraction=0.02, limit=None),
 }
+# Speech synthesised by the recipe itself (a few dozen clips for the tiny preset; no shards written).
+SYNTH_ASR = dict(kind="transcribe", source="speech-synth", weight=1.0, train=20000, test=500, max_words=25,
+                 voices=["en-us", "en", "en-us+f3", "en+m3", "en-gb-x-rp"], rates=[140, 210], max_new_tokens=224,
+                 eval_batch_size=64)
 COMMON = dict(
     out="runs/multimodal", cache="data/multimodal", tasks=TASKS, extra_tasks={}, weights={},
     trunk="S", trunk_overrides={}, positions="rope2d",
@@ -90,12 +134,15 @@ COMMON = dict(
     steps=20000, lr=1e-3, min_lr_ratio=0.02, warmup_steps=1000, weight_decay=0.05, clip_norm=1.0,
     workers=8, compile=False, eval_every=2000, eval_batches=50, checkpoint_every=2000, log_every=50,
     seed=0, progress=True, report_to="tensorboard",
+    eval_tasks=True,  # task metrics (accuracy, CER/WER, rollout score, perplexity): True | "end" | False
+    only=None,  # a task name (or list of names) to train alone: the single-task baseline, same trunk and budget
 )
 PRESETS: dict[str, dict[str, Any]] = {
     # CPU smoke run: a tiny trunk, a few hundred samples per task, two rows of 512 tokens.
     "tiny": dict(out="runs/multimodal-tiny", cache="data/multimodal-tiny", trunk="tiny", row_length=512, rows=2,
                  tasks={"image": dict(TASKS["image"], patch=7, limit_train=2048, limit_eval=256, weight=2.0),
-                        "asr": dict(TASKS["asr"], train=48, test=8, max_words=8, voices=["en-us", "en-us+f3"]),
+                        "asr": dict(SYNTH_ASR, train=48, test=8, max_words=8, voices=["en-us", "en-us+f3"],
+                                    max_new_tokens=64, eval_batch_size=8),
                         "rl": dict(TASKS["rl"], episodes=40, context=5, weight=4.0, reference_episodes=2,
                                    mix="expert:0.5,medium:0.3,random:0.2"),
                         "text": dict(TASKS["text"], max_tokens=96, limit=3000)},
@@ -119,6 +166,14 @@ def parse_args(argv=None) -> dict:
         if name_ not in tasks:
             ap.error(f"weights: unknown task {name_!r}; tasks are {', '.join(tasks)}")
         tasks[name_] = {**tasks[name_], "weight": float(w)}
+    if cfg["only"] is not None:  # the single-task baseline: every other task leaves the run entirely
+        only = [cfg["only"]] if isinstance(cfg["only"], str) else list(cfg["only"])
+        unknown = [n for n in only if n not in tasks]
+        if unknown or not only:
+            ap.error(f"only: unknown task(s) {unknown}; tasks are {', '.join(tasks)}")
+        tasks = {n: tasks[n] for n in only}
+    if cfg["eval_tasks"] not in (True, False, "end"):
+        ap.error(f"eval_tasks must be True, False or 'end', got {cfg['eval_tasks']!r}")
     cfg["tasks"] = tasks
     return cfg
 
@@ -177,7 +232,83 @@ def speech_synth(spec: dict, cache: Path, audio, seed: int) -> dict[str, tuple[l
             for split, d in data.items()}
 
 
-def gym_episodes(spec: dict, cache: Path, seed: int) -> tuple[dict[str, list], Any]:
+def speech_shards(spec: dict, cache: Path, audio, seed: int) -> dict[str, tuple[list, list]]:
+    """recipes/whisper.py's dataset (``spec["shards"]``, built with ``spec["build"]`` as that recipe builds it if
+    missing): the same train and test clips, encoded once to log-mel tokens and cached under ``cache``. Clips
+    longer than the audio tokenizer's max_seconds are dropped, as recipes/whisper.py drops them."""
+    import hashlib
+    import warnings
+
+    from omni.data.reader import ShardLoader
+
+    data = Path(spec["shards"])
+    if not (data / "manifest.json").is_file():
+        if not spec.get("build"):
+            raise FileNotFoundError(f"{data}/manifest.json not found: build it with `omni data speech-synth`")
+        from omni.data.builders_speech import build_speech_synth
+
+        print(f"synthesising speech shards in {data} (as recipes/whisper.py) ...", flush=True)
+        build_speech_synth(data, **spec["build"], seed=seed, quiet=True)
+    digest = hashlib.sha256((data / "manifest.json").read_bytes()).hexdigest()[:12]
+    path = cache / f"speech-shards-{digest}.pt"
+    if not path.is_file():
+        decode = _DecodeClip(audio)
+        out = {}
+        for split in ("train", "test"):
+            loader = ShardLoader(data, decode, list, batch_size=256, split=split, rank=0, world_size=1,
+                                 shuffle=False, max_corrupt_fraction=0.0)
+            items = [it for batch in loader for it in batch]  # (a None from decode is dropped by the loader)
+            if len(items) < loader.num_samples:
+                warnings.warn(f"{data} {split}: dropped {loader.num_samples - len(items)} clips longer than "
+                              f"{audio.max_seconds} s")
+            out[split] = {"tokens": [t for t, _ in items], "text": [x for _, x in items]}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(out, str(path) + ".tmp")
+        Path(str(path) + ".tmp").replace(path)
+    encoded = torch.load(path)
+    return {split: ([Segment("audio", t, torch.arange(t.shape[0]), audio.role) for t in d["tokens"]], d["text"])
+            for split, d in encoded.items()}
+
+
+class _DecodeClip:
+    """Shard sample -> (log-mel tokens, transcript), None for a clip over max_seconds (recipes/whisper.py)."""
+
+    def __init__(self, audio) -> None:
+        self.audio = audio
+
+    def __call__(self, sample: dict):
+        key = sample.get("__key__", "")
+        field = next((f for f in ("flac", "wav", "mp3", "ogg", "opus") if f in sample), None)
+        if field is None or "txt" not in sample:
+            raise ValueError(f"sample {key!r} needs an audio field and a .txt transcript")
+        try:
+            tokens = self.audio.encode(sample[field], key=key).tokens
+        except ValueError as exc:
+            if "longer than max_seconds" in str(exc):
+                return None
+            raise
+        return tokens, sample["txt"].decode("utf-8").strip()
+
+
+def rl_references(manifest: dict, episodes: list[dict]) -> tuple[float, float]:
+    """(random, expert) returns for the normalised score: the manifest's (``omni data gym`` measures them), else
+    the dataset's min/max episode return, as recipes/decision_transformer.py falls back."""
+    import warnings
+
+    from omni.rl import episode_return
+
+    refs = manifest.get("reference_returns") or {}
+    lo, hi = refs.get("random"), refs.get("expert")
+    if lo is None or hi is None:
+        warnings.warn("dataset has no random/expert reference returns: using the dataset's min/max episode return")
+        rets = [episode_return(ep) for ep in episodes]
+        lo, hi = (min(rets) if lo is None else lo), (max(rets) if hi is None else hi)
+    return float(lo), float(hi)
+
+
+def gym_episodes(spec: dict, cache: Path, seed: int) -> tuple[dict[str, list], Any, tuple[float, float]]:
+    import gymnasium as gym
+
     from omni.data.builders_rl import build_gym
     from omni.data.shards import read_manifest
     from omni.rl import SpaceSpec, load_episodes, make_tokenizer
@@ -191,9 +322,12 @@ def gym_episodes(spec: dict, cache: Path, seed: int) -> tuple[dict[str, list], A
     manifest = read_manifest(data)
     episodes = load_episodes(data, "train")
     n_eval = max(1, len(episodes) // 10)
+    # timestep table up to the env's step limit, so rollouts run whole episodes (as the DT recipe does)
+    longest = max(len(ep["actions"]) for ep in episodes)
+    limit = gym.spec(spec["env"]).max_episode_steps or longest
     tok = make_tokenizer(episodes[:-n_eval], SpaceSpec.from_manifest(manifest), context=spec["context"],
-                         max_timestep=max(len(ep["actions"]) for ep in episodes) + 1)
-    return {"train": episodes[:-n_eval], "test": episodes[-n_eval:]}, tok
+                         max_timestep=max(limit, longest) + 1)
+    return {"train": episodes[:-n_eval], "test": episodes[-n_eval:]}, tok, rl_references(manifest, episodes)
 
 
 def austen(spec: dict, cache: Path, text) -> dict[str, list[str]]:
@@ -249,21 +383,23 @@ def build_tasks(cfg: dict) -> dict[str, list[Task]]:
             image = ImageTokenizer(patch_size=spec["patch"], channels=1, image_size=28, policy="resize")
             for split, (items, labels) in fashion_mnist(spec, cache).items():
                 out[split].append(ClassifyTask(name, image, items, labels, 10, weight=w, loss_weight=lw))
-        elif kind == "transcribe" and source == "speech-synth":
+        elif kind == "transcribe" and source in ("speech-synth", "speech-shards"):
             audio, text = AudioTokenizer(), text or _text_tokenizer()
-            for split, (clips, transcripts) in speech_synth(spec, cache, audio, seed).items():
+            build = speech_synth if source == "speech-synth" else speech_shards
+            for split, (clips, transcripts) in build(spec, cache, audio, seed).items():
                 out[split].append(TranscribeTask(name, audio, text, clips, transcripts, weight=w, loss_weight=lw))
         elif kind == "action" and source == "gym":
-            episodes, tok = gym_episodes(spec, cache, seed)
+            episodes, tok, reference = gym_episodes(spec, cache, seed)
             for split, eps in episodes.items():
-                out[split].append(ActionTask(name, tok, eps, weight=w, loss_weight=lw))
+                out[split].append(ActionTask(name, tok, eps, weight=w, loss_weight=lw, env_id=spec["env"],
+                                             reference=reference))
         elif kind == "lm" and source == "austen":
             text = text or _text_tokenizer()
             for split, texts in austen(spec, cache, text).items():
                 out[split].append(LMTask(name, text, texts, weight=w, loss_weight=lw))
         else:
             raise ValueError(f"task {name!r}: unknown kind/source {kind!r}/{source!r} (built in: classify/fashion-mnist, "
-                             "transcribe/speech-synth, action/gym, lm/austen; or give tokenizer + data)")
+                             "transcribe/speech-shards|speech-synth, action/gym, lm/austen; or give tokenizer + data)")
     return out
 
 
@@ -295,17 +431,116 @@ def build(cfg: dict, rank: int = 0, world: int = 1):
     return model, train, evaluation, tasks
 
 
-def eval_fn(model, batch) -> dict[str, torch.Tensor]:
-    loss, metrics = model(batch)
-    return {"loss": loss, **metrics}
+# ---------------------------------------------------------------------------------------------------
+# Task metrics: every task scored as its single-task recipe scores it (module docstring)
+
+
+def eval_options(task: Task, spec: dict, cfg: dict) -> dict[str, Any]:
+    """``Task.evaluate`` keyword arguments from the task's config entry."""
+    if task.kind in ("classify", "lm"):  # packed like training batches: rows x row_length tokens at a time
+        return {"row_length": cfg["row_length"], "rows": cfg["rows"]}
+    if task.kind == "transcribe":
+        return {"batch_size": spec.get("eval_batch_size", 64), "max_new_tokens": spec.get("max_new_tokens", 224)}
+    if task.kind == "action":  # seeds 10000.. as recipes/decision_transformer.py (disjoint from the data's)
+        return {"seeds": range(10_000, 10_000 + spec.get("eval_seeds", 5)), "target": spec.get("target")}
+    return {}
+
+
+def task_metrics(model, tasks: list[Task], cfg: dict) -> dict[str, dict[str, float]]:
+    """{task: {metric: value, "seconds": time taken}} on the held-out tasks, for every task kind that has a
+    metric (``Task.evaluate``); ``model`` is the OmniModel."""
+    out: dict[str, dict[str, float]] = {}
+    for t in tasks:
+        if type(t).evaluate is Task.evaluate:  # a plug-in Task subclass without a held-out metric
+            continue
+        t0 = time.time()
+        result = t.evaluate(model, **eval_options(t, cfg["tasks"][t.name], cfg))
+        out[t.name] = {**result, "seconds": round(time.time() - t0, 2)}
+    return out
+
+
+def results_table(results: dict[str, dict[str, float]], tasks: list[Task]) -> str:
+    """One Markdown row per task: the headline metric as the single-task recipe reports it (percent points
+    for accuracy and CER), the secondary metric, and what it was measured on."""
+    lines = ["| task | metric | value | also | held-out data |", "|---|---|---|---|---|"]
+    for t in tasks:
+        r = results.get(t.name)
+        if r is None:
+            continue
+        if t.kind == "classify":
+            row = ("top-1 accuracy (%)", f"{100 * r['accuracy']:.2f}", f"loss {r['loss']:.4f}",
+                   f"{r['items']:.0f} test items")
+        elif t.kind == "transcribe":
+            row = ("CER (%)", f"{100 * r['cer']:.2f}", f"WER {100 * r['wer']:.2f}%",
+                   f"{r['utterances']:.0f} test utterances, greedy")
+        elif t.kind == "action":
+            row = ("normalised score", f"{r['score_mean']:.1f} ± {r['score_std']:.1f}",
+                   f"return {r['return_mean']:.1f} ± {r['return_std']:.1f} at target {r['target']:.1f}",
+                   f"{t.env_id} rollouts, {r['episodes']:.0f} seeds")
+        elif t.kind == "lm":
+            row = ("perplexity (token)", f"{r['ppl']:.2f}", f"{r['bpb']:.4f} bits/byte",
+                   f"{r['documents']:.0f} held-out documents, {r['tokens']:.0f} tokens")
+        else:
+            row = ("", ", ".join(f"{k} {v:.4g}" for k, v in r.items() if k != "seconds"), "", "")
+        lines.append(f"| {t.name} | " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+class TaskMetricsRequest:
+    """The last 'batch' of an evaluation pass: ``eval_fn`` answers it with every task's metrics (0-d values),
+    so the Trainer logs them next to the eval losses (TensorBoard ``eval/<task>/test_<metric>``)."""
+
+
+class EvalData:
+    """Eval data for the Trainer: the held-out mixture batches (eval losses; None = none), then one
+    TaskMetricsRequest whenever ``wanted()`` says so."""
+
+    def __init__(self, losses: MixtureLoader | None, wanted) -> None:
+        self.losses, self.wanted = losses, wanted
+
+    def __iter__(self):
+        if self.losses is not None:
+            yield from self.losses
+        if self.wanted():
+            yield TaskMetricsRequest()
+
+
+def make_eval_fn(tasks: list[Task], cfg: dict, record: dict[str, dict[str, float]]):
+    """Trainer eval_fn: losses and per-task batch metrics of a mixture batch, or (for a TaskMetricsRequest) the
+    task metrics, also kept in ``record`` for the final table. Every rank measures the same held-out items
+    with the same seeds (identical under DDP), so the Trainer's mean over ranks is that value."""
+
+    def eval_fn(model, batch) -> dict[str, torch.Tensor]:
+        if isinstance(batch, TaskMetricsRequest):
+            results = task_metrics(unwrap(model).omni, tasks, cfg)
+            record.clear()
+            record.update(results)
+            return {f"{name}/test_{k}": torch.tensor(float(v)) for name, r in results.items() for k, v in r.items()
+                    if k != "seconds"}
+        loss, metrics = model(batch)
+        return {"loss": loss, **metrics}
+
+    return eval_fn
 
 
 def main(argv=None, *, on_trained=None) -> dict:
     """Train; ``on_trained(trainer)`` (if given) runs on every rank after training, while the process group
     is still up (tests compare the ranks' parameters there)."""
+    from accelerate.utils import parse_flag_from_env
+
     cfg = parse_args(argv)
     state = process_state()
-    model, train, evaluation, tasks = build(cfg, state.process_index, state.num_processes)
+    model, train, losses, tasks = build(cfg, state.process_index, state.num_processes)
+    # Sharded parameters (FSDP) cannot run the decoding / rollout loops outside the root forward: measure
+    # the task metrics once, at the end, on the exported model instead.
+    sharded = parse_flag_from_env("ACCELERATE_USE_FSDP")
+    in_training = bool(cfg["eval_tasks"]) and not sharded
+    record: dict[str, dict[str, float]] = {}
+
+    def wanted() -> bool:  # task metrics at this evaluation? ("end": the final one only)
+        return cfg["eval_tasks"] is True or trainer.step >= cfg["steps"]
+
+    evaluation = EvalData(losses, wanted) if in_training else losses
     config = TrainConfig(
         output_dir=cfg["out"], steps=cfg["steps"], lr=cfg["lr"], min_lr_ratio=cfg["min_lr_ratio"],
         warmup_steps=min(cfg["warmup_steps"], cfg["steps"]), weight_decay=cfg["weight_decay"],
@@ -314,7 +549,8 @@ def main(argv=None, *, on_trained=None) -> dict:
         run_name=f"multimodal-{cfg['preset']}", progress=cfg["progress"], report_to=cfg["report_to"],
     )
     export = model.export_config()
-    trainer = Trainer(model, multitask_loss, train, config, eval_data=evaluation, eval_fn=eval_fn, hparams=cfg,
+    trainer = Trainer(model, multitask_loss, train, config, eval_data=evaluation,
+                      eval_fn=make_eval_fn(tasks["test"], cfg, record), hparams=cfg,
                       export_config=export, export_tokenizers=merge_tokenizers(tasks["train"]),
                       export_module=lambda m: m.omni)
     if state.is_main_process:
@@ -332,13 +568,27 @@ def main(argv=None, *, on_trained=None) -> dict:
             on_trained(trainer)
         finally:
             trainer.close()
+    if cfg["eval_tasks"] and sharded and state.is_main_process:
+        from omni.export import load_pretrained
+
+        record.update(task_metrics(load_pretrained(trainer.export_dir, device=state.device), tasks["test"], cfg))
+        metrics.update({f"eval/{name}/test_{k}": v for name, r in record.items() for k, v in r.items()
+                        if k != "seconds"})
     if state.is_main_process:
+        out = Path(cfg["out"])
         result = {"seconds": round(time.time() - start, 1),
                   **{k: v for k, v in metrics.items() if isinstance(v, (int, float)) and math.isfinite(v)}}
-        Path(cfg["out"]).mkdir(parents=True, exist_ok=True)
-        (Path(cfg["out"]) / "metrics.json").write_text(json.dumps(result, indent=2, sort_keys=True))
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "metrics.json").write_text(json.dumps(result, indent=2, sort_keys=True))
         per_task = "; ".join(f"{t.name} loss {metrics.get(f'train/{t.name}/loss', math.nan):.3f}" for t in tasks["train"])
         print(f"done in {result['seconds']:.0f} s: {per_task}; model exported to {trainer.export_dir}", flush=True)
+        if record:
+            table = results_table(record, tasks["test"])
+            print(table, flush=True)
+            payload = {"preset": cfg["preset"], "tasks": [t.name for t in tasks["train"]], "steps": metrics.get("step"),
+                       "tokens_per_step": cfg["rows"] * cfg["row_length"] * state.num_processes,  # all ranks
+                       "results": record, "table": table, "config": cfg}
+            (out / "results.json").write_text(json.dumps(payload, indent=2, default=str))
     return metrics
 
 

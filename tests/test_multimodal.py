@@ -1,7 +1,10 @@
 """recipes/multimodal.py + omni/multitask.py on CPU: one trunk trained on image classification, speech
 recognition, offline RL and text LM at once, every batch packing all four; packed == each document alone
 (prefix-LM included); per-task metrics in TensorBoard; a plug-in modality joins by config only; 2 gloo ranks
-end with identical parameters.
+end with identical parameters. Task metrics as the single-task recipes measure them: image accuracy and text
+perplexity == a per-item computation; prefix-LM greedy decoding with the KV cache == the packed forward, and
+recovers overfit transcripts exactly (CER 0); rollouts through the shared trunk == re-encoding per step; the
+tiny preset prints one table row per task; ``only`` trains one task through the same recipe.
 
     torchrun --standalone --nproc-per-node 2 tests/test_multimodal.py CACHE OUT    # the 2-rank worker
 """
@@ -20,11 +23,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # `omni` when run as the torchrun worker
 
-from omni.multitask import MixedBatch, MixtureLoader, pack_mixed  # noqa: E402
+from omni.multitask import (ClassifyTask, LMTask, MixedBatch, MixtureLoader, MultitaskModel,  # noqa: E402
+                            PrefixLMTranscriber, TrajectoryPolicy, TranscribeTask, eval_batches, pack_mixed)
 
 MODALITIES = {"image", "audio", "text", "trajectory"}
 TASKS = ("image", "asr", "rl", "text")
@@ -156,10 +161,25 @@ def test_packed_documents_equal_each_document_alone(tiny):
     model.train()
 
 
-def test_tiny_preset_trains_every_task_with_per_task_metrics(cache, tmp_path):
+def test_tiny_preset_trains_every_task_with_per_task_metrics(cache, tmp_path, capsys):
     recipe = load_recipe()
     out = tmp_path / "run"
     metrics = recipe.main(tiny_args(cache, out, "steps=60", "log_every=4", "eval_batches=2"))
+    # One Markdown row per task with its held-out metric, also in results.json and TensorBoard.
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
+    assert rows[0].startswith("| task | metric | value")
+    assert [r.split("|")[1].strip() for r in rows[1:]] == list(TASKS)
+    assert [r.split("|")[2].strip() for r in rows[1:]] == ["top-1 accuracy (%)", "CER (%)", "normalised score",
+                                                           "perplexity (token)"]
+    results = json.loads((out / "results.json").read_text())
+    r = results["results"]
+    assert results["table"].splitlines()[2:] == rows[1:] and results["tasks"] == list(TASKS)
+    assert r["image"]["items"] == 256 and 0.1 < r["image"]["accuracy"] <= 1  # 10 classes: above chance
+    assert r["asr"]["utterances"] == 8 and 0 <= r["asr"]["cer"] and np.isfinite(r["asr"]["wer"])
+    assert r["rl"]["episodes"] == 5 and np.isfinite(r["rl"]["score_mean"]) and r["rl"]["return_mean"] >= 8
+    assert 1 < r["text"]["ppl"] < 8192 and 0 < r["text"]["bpb"] < 8  # below uniform over the vocabulary
+    assert metrics["eval/image/test_accuracy"] == pytest.approx(r["image"]["accuracy"], rel=1e-6)
+    assert metrics["eval/asr/test_cer"] == pytest.approx(r["asr"]["cer"], rel=1e-6)
     for t in TASKS:
         for name in ("loss", "token_share", "documents"):
             assert f"train/{t}/{name}" in metrics and np.isfinite(metrics[f"train/{t}/{name}"])
@@ -176,12 +196,205 @@ def test_tiny_preset_trains_every_task_with_per_task_metrics(cache, tmp_path):
         assert np.mean(curve[-4:]) < factor[t] * curve[0], (t, curve)
     shares = sum(logged[f"train/{t}/token_share"][-1] for t in TASKS)
     assert 0.9 < shares <= 1.0
+    for tag in ("image/test_accuracy", "asr/test_cer", "asr/test_wer", "rl/test_score_mean", "text/test_ppl",
+                "text/test_bpb"):
+        assert len(logged[f"eval/{tag}"]) == 1  # eval_every=0: the final evaluation only
     # The export is a plain OmniModel with every head, loadable without training code.
     from omni.export import load_pretrained
 
     model = load_pretrained(out / "final")
     assert set(model.heads) == set(TASKS) and set(model.embedders) == MODALITIES
     assert model.heads["asr"].proj.weight is model.embedders["text"].token.weight
+
+
+# ----------------------------------------------------------------------------------------------------
+# Task metrics: each task measured as its single-task recipe measures it
+
+
+def task_named(tasks, name: str):
+    return next(t for t in tasks if t.name == name)
+
+
+@pytest.fixture(scope="module")
+def asr_overfit(tiny):
+    """A fresh tiny trunk trained on three training clips alone (60 full-batch steps, about 2 s): every
+    transcript token right under teacher forcing."""
+    _, _, _, _, tasks = tiny
+    asr = task_named(tasks["train"], "asr")
+    three = TranscribeTask("asr", asr.audio, asr.text, asr.clips[:3], asr.transcripts[:3])
+    torch.manual_seed(0)
+    model = MultitaskModel([three], preset_tiny())
+    batch = pack_mixed([three.sample(i, None) for i in range(3)], [0, 0, 0], ("asr",))
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
+    for _ in range(60):
+        loss, metrics = model(batch)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return three, model, metrics
+
+
+def preset_tiny():
+    from omni.trunk import preset
+
+    return preset("tiny", positions="rope2d")
+
+
+def test_asr_greedy_decoding_recovers_overfit_transcripts(asr_overfit):
+    three, model, metrics = asr_overfit
+    assert metrics["asr/token_accuracy"] == 1.0 and metrics["asr/loss"] < 0.2
+    assert three.evaluate(model.omni, batch_size=3, max_new_tokens=64) == {"cer": 0.0, "wer": 0.0, "utterances": 3.0}
+    assert three.transcribe(model.omni, batch_size=2, max_new_tokens=64) == list(three.transcripts)
+    # The token limit stops a row that never says eos: at most max_new_tokens ids, the rest cut.
+    short = three.transcribe(model.omni, max_new_tokens=3)
+    assert all(0 < len(s) < len(t) and t.startswith(s) for s, t in zip(short, three.transcripts)), short
+
+
+def test_asr_cached_decoding_equals_the_packed_forward(asr_overfit, tiny):
+    """The three training clips and three held-out ones, all of different lengths, in one padded batch: the
+    KV-cached prefix-LM (audio written once, bidirectional, pads invisible; text positions continuing at each
+    clip's own length) gives the hidden states of the training computation (Packer + packed mask) and the
+    same greedy tokens, batched or alone."""
+    from omni.speech import greedy_decode, pad_audio
+
+    three, model, _ = asr_overfit
+    test = task_named(tiny[4]["test"], "asr")
+    clips = TranscribeTask("asr", test.audio, test.text, [*three.clips, *test.clips[:3]],
+                           [*three.transcripts, *test.transcripts[:3]])
+    n = len(clips)
+    assert len({len(clips.audio_segment(i)) for i in range(n)}) == n  # padding differs per row
+    model.eval()
+    dec = PrefixLMTranscriber(model.omni, clips)
+    frames, mask = pad_audio([clips.audio_segment(i).tokens for i in range(n)])
+    memory = dec.encode(frames, mask)
+    text = torch.tensor([dec.prompt + [100, 2000, 37, 512]] * n)
+    with torch.no_grad():
+        reference = dec.decode_hidden(text, memory, mask)  # packed, no cache
+        cache = dec.new_cache(n, text.shape[1])
+        first = dec.decode_hidden(text[:, :3], memory, mask, cache)  # audio prefix + 3 text tokens
+        rest = [dec.decode_hidden(text[:, t:t + 1], None, mask, cache) for t in range(3, text.shape[1])]
+    torch.testing.assert_close(torch.cat([first, *rest], 1), reference, atol=2e-5, rtol=1e-4)
+    guards = dict(max_new_tokens=12)
+    with torch.no_grad():
+        cached = greedy_decode(dec, dec.encode(frames, mask), mask, **guards)
+        packed = greedy_decode(dec, dec.encode(frames, mask), mask, use_cache=False, **guards)
+    assert cached == packed
+    assert len({tuple(row) for row in cached[:3]}) == 3 and min(map(len, cached)) >= 5, cached  # real transcripts
+    assert all(len(row) <= 12 for row in cached)
+    texts = [test.text.decode(row) for row in cached]
+    assert clips.transcribe(model.omni, batch_size=1, **guards) == texts  # alone == in a padded batch
+    model.train()
+
+
+def test_image_accuracy_and_text_perplexity_equal_per_item_computation(tiny):
+    import copy
+
+    _, model, _, _, tasks = tiny
+    omni = copy.deepcopy(model.omni)
+    torch.manual_seed(1)
+    torch.nn.init.normal_(omni.heads["image"].proj.weight, std=1.0)  # the zero-init head predicts class 0 only
+    test = task_named(tasks["test"], "image")
+    image = ClassifyTask("image", test.tokenizer, test.items[:64], test.labels[:64], 10)
+    got = image.evaluate(omni, row_length=512, rows=1)  # 64 images of 16 patches: two packed batches
+    batches = list(eval_batches([image.sample(i, None) for i in range(40)], 256, 2))  # 16 per row
+    assert [b.shape for b in batches] == [(2, 256), (2, 256)]  # the training shape, also when partly padding
+    assert [b.num_documents for b in batches] == [32, 8] and batches[0].keys[:2] == ["image/0", "image/1"]
+    predicted, nll = [], 0.0
+    with torch.no_grad():
+        for i in range(64):
+            alone = pack_mixed([image.sample(i, None)], [0], ("image",))
+            logits = omni.heads["image"](omni(alone), alone, "image")
+            predicted.append(int(logits.argmax(-1)[0]))
+            nll += F.cross_entropy(logits, torch.tensor([image.labels[i]])).item()
+    correct = sum(p == y for p, y in zip(predicted, image.labels))
+    assert len(set(predicted)) >= 3 and correct > 0, predicted  # a non-trivial classifier
+    assert got["accuracy"] == correct / 64 and got["items"] == 64
+    assert got["loss"] == pytest.approx(nll / 64, rel=1e-5)
+    # Text: perplexity over every predicted token (bos given), bits per UTF-8 byte of the raw paragraphs.
+    corpus = task_named(tasks["test"], "text")
+    docs = LMTask("text", corpus.tokenizer, corpus.texts[:6])
+    got = docs.evaluate(omni, row_length=512, rows=1)
+    total, tokens = 0.0, 0
+    with torch.no_grad():
+        for i in range(6):
+            alone = pack_mixed([docs.sample(i, None)], [0], ("text",))
+            logits = omni.heads["text"](omni(alone)[0, :len(alone.tokens["text"])])
+            total += F.cross_entropy(logits, alone.targets["text"], ignore_index=-100, reduction="sum").item()
+            tokens += len(alone.tokens["text"]) - 1  # every token but bos is predicted
+    n_bytes = sum(len(t.encode("utf-8")) for t in docs.texts)
+    assert got["tokens"] == tokens and got["documents"] == 6 and got["bytes"] == n_bytes
+    assert got["ppl"] == pytest.approx(np.exp(total / tokens), rel=1e-5)
+    assert got["bpb"] == pytest.approx(total / np.log(2) / n_bytes, rel=1e-5)
+
+
+def test_rl_rollouts_with_the_mixed_model(tiny):
+    from omni.rl import make_envs, normalized_score, rollout
+
+    _, model, _, _, tasks = tiny
+    rl = task_named(tasks["test"], "rl")
+    assert rl.env_id == "CartPole-v1" and rl.reference[0] < rl.reference[1]
+    got = rl.evaluate(model.omni, seeds=range(10_000, 10_005))
+    assert got["episodes"] == 5 and got["target"] == rl.reference[1]  # the expert reference return
+    assert all(np.isfinite(v) for v in got.values())
+    assert got["score_mean"] == pytest.approx(normalized_score(got["return_mean"], *rl.reference))
+    # The policy adapter reads the trunk as training does: its output on a window == the packed forward's.
+    policy = TrajectoryPolicy(model.omni, rl)
+    sample = rl.sample(0, np.random.default_rng(0))
+    batch = pack_mixed([sample], [0], ("rl",))
+    with torch.no_grad():
+        packed = rl.predict(model.omni, model.omni(batch), batch)
+        alone = policy(sample.segments[0].tokens[None])[0]
+    torch.testing.assert_close(alone, packed, atol=1e-5, rtol=1e-4)
+    # KV-cached rollouts (window sliding past context=5) == re-encoding the running context every step.
+    runs = [rollout(policy, rl.tokenizer, make_envs("CartPole-v1", 2), [3, 4], targets=[rl.reference[1]] * 2,
+                    max_steps=30, cache=c, record=True) for c in (True, False)]
+    assert runs[0].lengths.max() > rl.tokenizer.context
+    np.testing.assert_array_equal(runs[0].returns, runs[1].returns)
+    np.testing.assert_allclose(np.stack(runs[0].outputs), np.stack(runs[1].outputs), atol=1e-5)
+
+
+def test_only_trains_one_task_through_the_same_recipe(cache, tmp_path, monkeypatch):
+    recipe = load_recipe()
+    cfg = recipe.parse_args(tiny_args(cache, tmp_path / "x", "only='rl'"))
+    assert list(cfg["tasks"]) == ["rl"]
+    model, train, _, _ = recipe.build(cfg)
+    assert set(model.omni.heads) == {"rl"} and set(model.omni.embedders) == {"trajectory"}
+    batch = train.batch(0, 0)
+    assert batch.task_names == ("rl",) and set(batch.tokens) == {"trajectory"}
+    assert batch.shape == (cfg["rows"], cfg["row_length"])  # the same token budget per step as the mix
+    with pytest.raises(SystemExit):
+        recipe.parse_args(tiny_args(cache, tmp_path / "x", "only='video'"))
+    # One command: train the image task alone; eval_tasks="end" measures task metrics at the last eval only.
+    calls = []
+    measure = recipe.task_metrics
+    monkeypatch.setattr(recipe, "task_metrics", lambda *a: calls.append(1) or measure(*a))
+    out = tmp_path / "image"
+    metrics = recipe.main(tiny_args(cache, out, "only='image'", "steps=4", "log_every=2", "eval_every=2",
+                                    "eval_batches=1", "eval_tasks='end'", "report_to='none'"))
+    assert len(calls) == 1 and "eval/image/loss" in metrics
+    assert "eval/image/test_accuracy" in metrics and not any(k.startswith("eval/asr") for k in metrics)
+    assert list(json.loads((out / "results.json").read_text())["results"]) == ["image"]
+
+
+def test_speech_shards_source_reads_the_whisper_dataset(tmp_path):
+    """The default asr source: recipes/whisper.py's shards (here 3 + 2 clips), the same clips and transcripts."""
+    from omni.data.builders_speech import build_speech_synth
+    from omni.data.reader import ShardLoader
+
+    recipe = load_recipe()
+    shards = tmp_path / "speech"
+    build_speech_synth(shards, train=3, test=2, seed=0, workers=1, quiet=True)
+    cfg = recipe.parse_args(["--preset", "tiny", "--set", f"cache={str(tmp_path / 'cache')!r}"])
+    assert recipe.TASKS["asr"]["source"] == "speech-shards"
+    cfg["tasks"] = {"asr": dict(recipe.TASKS["asr"], shards=str(shards))}
+    tasks = recipe.build_tasks(cfg)
+    for split, n in (("train", 3), ("test", 2)):
+        loader = ShardLoader(shards, lambda s: s["txt"].decode().strip(), list, 8, split=split, rank=0, world_size=1,
+                             shuffle=False)
+        (asr,) = tasks[split]
+        assert len(asr) == n and list(asr.transcripts) == [t for b in loader for t in b]
+        assert all(len(asr.audio_segment(i)) > 20 for i in range(n))
+    assert len(list((tmp_path / "cache").glob("speech-shards-*.pt"))) == 1  # encoded once, cached
 
 
 # ----------------------------------------------------------------------------------------------------
