@@ -105,7 +105,7 @@ class TrainConfig:
     # one, else bf16 on a CUDA GPU that has it, else no (CPU autocast is slow; force "bf16" if wanted)
     compile: bool = False  # torch.compile the model (inductor)
     find_unused_parameters: bool = False  # DDP: set when some batches leave parameters unused
-    eval_every: int = 0  # steps; 0 = only at the end (when eval data is given)
+    eval_every: int = 0  # steps; 0 = only at the end (when eval data or a model_metrics_fn is given)
     checkpoint_every: int = 0  # steps; 0 = no checkpoints
     keep_checkpoints: int = 2  # newest complete checkpoints kept; <= 0 keeps all
     log_every: int = 10
@@ -471,6 +471,26 @@ class Trainer:
         per-sample values (dim 0 = samples; more dims are averaged too) or 0-d per-batch values;
         the metric is the mean over the whole eval set and all ranks (``gather_for_metrics`` drops
         the padding samples of a prepared DataLoader). ``None``: the mean of loss_fn's loss.
+    model_metrics_fn(model, step) -> {name: float | 0-d Tensor}
+        metrics of the whole model rather than of an eval batch (test-set accuracy by its own loop,
+        greedy-decoding error rates, environment rollouts, ...). ``evaluate`` calls it once per pass,
+        after the eval batches (or alone when there is no eval data: an evaluation then still runs at
+        ``eval_every`` and at the end), under the same conditions as ``eval_fn``: model in eval mode,
+        ``torch.no_grad``, the mixed-precision autocast, and every RNG stream (python, numpy, torch,
+        CUDA) saved before and restored after, so training continues exactly as without evaluation.
+        ``step`` is the number of optimizer steps taken (``self.step``); an empty mapping adds nothing
+        to this evaluation (e.g. "only at the end": measure when ``step >= config.steps``). The values join the eval metrics
+        as ``eval/<name>`` (returned by ``evaluate``/``fit``, logged to the trackers, printed); a name
+        may not also come from ``eval_fn``. Contract across processes: it is called on EVERY rank with
+        the prepared model (as ``eval_fn``), and each name's value is the mean over the ranks that
+        return it (exact when every rank measures the same thing, as the usual seeded held-out loop
+        does; a hook that splits the work over ranks combines it itself, with collectives, since all
+        ranks are in it). Its forward passes must not desynchronise the ranks: under DDP run them on
+        ``unwrap(model)`` (no collectives) rather than through the DDP wrapper, whose forward may
+        communicate; under FSDP every forward is collective (parameters are all-gathered per unit, and
+        submodules outside the root forward see only their shards), so a data-dependent loop (decoding,
+        rollouts) cannot run there: pass no hook and measure the exported model instead
+        (recipes/multimodal.py does so, once at the end, on the main process).
     param_groups(model) -> AdamW param groups; default ``default_param_groups``.
     hparams: extra (nested) config logged to TensorBoard next to TrainConfig (flattened).
     export_config / export_tokenizers / export_module: what ``omni.export.save_pretrained`` writes to
@@ -488,6 +508,7 @@ class Trainer:
         *,
         eval_data: Iterable[Any] | None = None,
         eval_fn: Callable[[nn.Module, Any], Mapping[str, Tensor]] | None = None,
+        model_metrics_fn: Callable[[nn.Module, int], Mapping[str, float | Tensor]] | None = None,
         param_groups: Callable[[nn.Module], list[dict[str, Any]]] | None = None,
         hparams: Mapping[str, Any] | None = None,
         export_config: Mapping[str, Any] | None = None,
@@ -501,7 +522,7 @@ class Trainer:
 
         self.config = config
         self.output_dir = Path(config.output_dir)
-        self.loss_fn, self.eval_fn = loss_fn, eval_fn
+        self.loss_fn, self.eval_fn, self.model_metrics_fn = loss_fn, eval_fn, model_metrics_fn
         self.hparams = dict(hparams or {})
         self.export_config = dict(export_config or {})
         self.export_tokenizers = export_tokenizers
@@ -748,10 +769,16 @@ class Trainer:
             f"for this step (last complete checkpoint: {last if last else 'none'}). Batches:\n" + "\n".join(lines))
 
     # -- evaluation ----------------------------------------------------------------------------------
+    @property
+    def evaluates(self) -> bool:
+        """Whether ``fit`` evaluates: there is eval data or a ``model_metrics_fn``."""
+        return self.eval_data is not None or self.model_metrics_fn is not None
+
     @torch.no_grad()
-    def evaluate(self, data: Iterable[Any] | None = None) -> dict[str, float]:
+    def evaluate(self, data: Iterable[Any] | None = None, *, model_metrics: bool = True) -> dict[str, float]:
         """Mean of every eval metric over the whole eval set (``data``, default the Trainer's eval data)
-        and all ranks, as {"eval/<name>": value}. Collective: call it on every rank."""
+        and all ranks, plus (``model_metrics``) the ``model_metrics_fn`` values, as {"eval/<name>": value}.
+        Collective: call it on every rank."""
         acc = self.accelerator
         prepared = self._eval_prepared
         if data is not None:
@@ -759,15 +786,17 @@ class Trainer:
             data = acc.prepare_data_loader(data) if prepared else data
         else:
             data = self.eval_data
-        if data is None:
+        hook = self.model_metrics_fn if model_metrics else None
+        if data is None and hook is None:
             return {}
         dev = acc.device
         sums: dict[str, Tensor] = {}  # rank-local partial sums (summed across ranks at the end)
         counts: dict[str, Tensor] = {}
+        whole: dict[str, float] = {}  # this rank's model_metrics_fn values
         self.model.eval()
         try:
             with _preserved_rng():
-                for batch in data:
+                for batch in data if data is not None else ():
                     if batch is None:
                         continue
                     if not prepared:
@@ -792,20 +821,43 @@ class Trainer:
                             s, c = v.sum(), torch.tensor(float(v.numel()), device=dev)
                         sums[name] = sums.get(name, 0.0) + s
                         counts[name] = counts.get(name, 0.0) + c
+                if hook is not None:
+                    with acc.autocast():
+                        whole = {str(k): self._scalar(k, v) for k, v in hook(self.model, self.step).items()}
         finally:
             self.model.train()
         names = sorted(sums)
+        ranks_whole = [whole]
         if acc.num_processes > 1:  # a rank may have had no batches: agree on the names first
             from accelerate.utils import gather_object
 
-            names = sorted(set().union(*[set(n) for n in gather_object([names])]))
+            gathered = gather_object([(names, whole)])  # one object gather: eval_fn names, hook values
+            names = sorted(set().union(*[set(n) for n, _ in gathered]))
+            ranks_whole = [w for _, w in gathered]
+        clash = set(names) & set().union(*ranks_whole)
+        if clash:  # the same on every rank (gathered), so every rank raises
+            raise ValueError(f"model_metrics_fn returned eval_fn's metric name(s) {sorted(clash)}")
         zero = torch.zeros((), device=dev)
         packed = torch.stack([*(sums.get(n, zero) for n in names), *(counts.get(n, zero) for n in names)]) \
             if names else torch.zeros(0, device=dev)
         if acc.num_processes > 1 and names:
             packed = acc.reduce(packed, reduction="sum")
         vals = packed.tolist()
-        return {f"eval/{n}": vals[i] / max(vals[len(names) + i], 1e-12) for i, n in enumerate(names)}
+        out = {f"eval/{n}": vals[i] / max(vals[len(names) + i], 1e-12) for i, n in enumerate(names)}
+        for n in sorted(set().union(*ranks_whole)):  # mean over the ranks that returned it (python floats)
+            reported = [w[n] for w in ranks_whole if n in w]
+            out[f"eval/{n}"] = sum(reported) / len(reported)
+        return out
+
+    @staticmethod
+    def _scalar(name: Any, value: Any) -> float:
+        """A model_metrics_fn value as a python float (a number or a one-element Tensor)."""
+        if isinstance(value, Tensor):
+            if value.numel() != 1:
+                raise TypeError(f"model_metrics_fn value {name!r} must be a scalar, got a Tensor of shape "
+                                f"{tuple(value.shape)}")
+            return float(value.detach().reshape(()).item())
+        return float(value)
 
     # -- export --------------------------------------------------------------------------------------
     def export(self, directory: str | os.PathLike | None = None) -> Path:
@@ -865,13 +917,13 @@ class Trainer:
                     bar.set_postfix(loss=f"{logged['train/loss']:.4g}", lr=f"{logged['train/lr']:.3g}")
                     results.update(logged)
                     window, t0 = [], time.perf_counter()
-                if cfg.eval_every > 0 and self.step % cfg.eval_every == 0 and self.eval_data is not None:
+                if cfg.eval_every > 0 and self.step % cfg.eval_every == 0 and self.evaluates:
                     results.update(self._eval_and_log(bar))
                     last_eval = self.step
                 if cfg.checkpoint_every > 0 and self.step % cfg.checkpoint_every == 0:
                     self.save_checkpoint()
                     last_ckpt = self.step
-            if self.eval_data is not None and last_eval != self.step:
+            if self.evaluates and last_eval != self.step:
                 results.update(self._eval_and_log(bar))
             if cfg.checkpoint_every > 0 and last_ckpt != self.step:
                 self.save_checkpoint()

@@ -67,9 +67,10 @@ omni/multitask.py):
          (10000..), normalised score 100 (R - R_random) / (R_expert - R_random)  = recipes/decision_transformer.py
   text   held-out token perplexity and bits per UTF-8 byte (no single-task recipe; the LM baseline is ``only``)
 
-They are logged to TensorBoard as ``eval/<task>/test_<metric>``, printed as a Markdown table (one row per
-task) and written to <out>/results.json. Under FSDP (sharded parameters) they are measured once, at the
-end, on the exported model in the main process.
+They are measured by the Trainer's ``model_metrics_fn`` hook (after the eval batches, RNG untouched), logged
+to TensorBoard as ``eval/<task>/test_<metric>``, printed as a Markdown table (one row per task) and written
+to <out>/results.json. Under FSDP (sharded parameters) they are measured once, at the end, on the exported
+model in the main process.
 
 Equal-compute comparison: same trunk, same steps, same tokens per step (``rows x row_length``), all tasks vs
 one task (``only`` drops every other task: its data, embedders and heads):
@@ -486,41 +487,28 @@ def results_table(results: dict[str, dict[str, float]], tasks: list[Task]) -> st
     return "\n".join(lines)
 
 
-class TaskMetricsRequest:
-    """The last 'batch' of an evaluation pass: ``eval_fn`` answers it with every task's metrics (0-d values),
-    so the Trainer logs them next to the eval losses (TensorBoard ``eval/<task>/test_<metric>``)."""
+def eval_fn(model, batch) -> dict[str, torch.Tensor]:
+    """Trainer eval_fn: the loss and per-task batch metrics of a held-out mixture batch."""
+    loss, metrics = model(batch)
+    return {"loss": loss, **metrics}
 
 
-class EvalData:
-    """Eval data for the Trainer: the held-out mixture batches (eval losses; None = none), then one
-    TaskMetricsRequest whenever ``wanted()`` says so."""
+def make_model_metrics_fn(tasks: list[Task], cfg: dict, record: dict[str, dict[str, float]]):
+    """Trainer model_metrics_fn: every task's metrics (``task_metrics``) at each evaluation (``eval_tasks``
+    True) or at the final one only ("end": ``step >= steps``), logged as ``eval/<task>/test_<metric>`` and
+    kept in ``record`` for the final table. Every rank measures the same held-out items with the same seeds
+    on its local, unwrapped OmniModel (no collectives: identical under DDP, so the Trainer's mean over
+    ranks is that value). Not for FSDP (``main`` measures the exported model there)."""
 
-    def __init__(self, losses: MixtureLoader | None, wanted) -> None:
-        self.losses, self.wanted = losses, wanted
+    def model_metrics(model, step: int) -> dict[str, float]:
+        if cfg["eval_tasks"] is not True and step < cfg["steps"]:
+            return {}
+        results = task_metrics(unwrap(model).omni, tasks, cfg)
+        record.clear()
+        record.update(results)
+        return {f"{name}/test_{k}": float(v) for name, r in results.items() for k, v in r.items() if k != "seconds"}
 
-    def __iter__(self):
-        if self.losses is not None:
-            yield from self.losses
-        if self.wanted():
-            yield TaskMetricsRequest()
-
-
-def make_eval_fn(tasks: list[Task], cfg: dict, record: dict[str, dict[str, float]]):
-    """Trainer eval_fn: losses and per-task batch metrics of a mixture batch, or (for a TaskMetricsRequest) the
-    task metrics, also kept in ``record`` for the final table. Every rank measures the same held-out items
-    with the same seeds (identical under DDP), so the Trainer's mean over ranks is that value."""
-
-    def eval_fn(model, batch) -> dict[str, torch.Tensor]:
-        if isinstance(batch, TaskMetricsRequest):
-            results = task_metrics(unwrap(model).omni, tasks, cfg)
-            record.clear()
-            record.update(results)
-            return {f"{name}/test_{k}": torch.tensor(float(v)) for name, r in results.items() for k, v in r.items()
-                    if k != "seconds"}
-        loss, metrics = model(batch)
-        return {"loss": loss, **metrics}
-
-    return eval_fn
+    return model_metrics
 
 
 def main(argv=None, *, on_trained=None) -> dict:
@@ -536,11 +524,6 @@ def main(argv=None, *, on_trained=None) -> dict:
     sharded = parse_flag_from_env("ACCELERATE_USE_FSDP")
     in_training = bool(cfg["eval_tasks"]) and not sharded
     record: dict[str, dict[str, float]] = {}
-
-    def wanted() -> bool:  # task metrics at this evaluation? ("end": the final one only)
-        return cfg["eval_tasks"] is True or trainer.step >= cfg["steps"]
-
-    evaluation = EvalData(losses, wanted) if in_training else losses
     config = TrainConfig(
         output_dir=cfg["out"], steps=cfg["steps"], lr=cfg["lr"], min_lr_ratio=cfg["min_lr_ratio"],
         warmup_steps=min(cfg["warmup_steps"], cfg["steps"]), weight_decay=cfg["weight_decay"],
@@ -549,8 +532,9 @@ def main(argv=None, *, on_trained=None) -> dict:
         run_name=f"multimodal-{cfg['preset']}", progress=cfg["progress"], report_to=cfg["report_to"],
     )
     export = model.export_config()
-    trainer = Trainer(model, multitask_loss, train, config, eval_data=evaluation,
-                      eval_fn=make_eval_fn(tasks["test"], cfg, record), hparams=cfg,
+    trainer = Trainer(model, multitask_loss, train, config, eval_data=losses, eval_fn=eval_fn,
+                      model_metrics_fn=make_model_metrics_fn(tasks["test"], cfg, record) if in_training else None,
+                      hparams=cfg,
                       export_config=export, export_tokenizers=merge_tokenizers(tasks["train"]),
                       export_module=lambda m: m.omni)
     if state.is_main_process:

@@ -37,9 +37,10 @@ def _env() -> dict[str, str]:
     return env
 
 
-def _torchrun(*args: str, extra_env: dict | None = None, timeout: int = 90) -> subprocess.CompletedProcess:
+def _torchrun(*args: str, extra_env: dict | None = None, timeout: int = 90,
+              script: str = WORKER) -> subprocess.CompletedProcess:
     """torchrun with 2 gloo ranks in its own session, so a hang is killed whole (no orphaned ranks)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", WORKER, *args]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", script, *args]
     proc = subprocess.Popen(cmd, env={**_env(), **(extra_env or {})}, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
@@ -253,6 +254,121 @@ def test_nan_loss_raises_before_the_step_and_saves_nothing_corrupt(tmp_path):
 
 
 # ----------------------------------------------------------------------------------------------------
+# Evaluation: whole-model metrics (model_metrics_fn)
+
+
+def _mlp_trainer(out: Path, *, eval_data=None, model_metrics_fn=None, **config) -> Trainer:
+    """W.run_mlp's Trainer (dropout 0.3), with a model_metrics_fn."""
+    x, y = W.mlp_data(48)
+    cfg = TrainConfig(output_dir=str(out), steps=6, lr=1e-2, warmup_steps=2, grad_accum=2, log_every=1,
+                      progress=False, mixed_precision="no", **config)
+    return Trainer(W.make_mlp(0, 0.3), W.mlp_loss, W.ListLoader(x, y, 8), cfg, eval_data=eval_data,
+                   eval_fn=W.mlp_eval, model_metrics_fn=model_metrics_fn, export_config={"builder": "x"})
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_model_metrics_fn_runs_at_each_eval_in_eval_mode_and_leaves_training_unchanged(tmp_path, capsys):
+    import random
+
+    import numpy as np
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from omni.train import unwrap
+
+    calls: list[dict] = []
+    probe = torch.randn(5, 8, generator=torch.Generator().manual_seed(3))
+
+    def whole(model, step):
+        m = unwrap(model)
+        out = m(probe)
+        calls.append({"step": step, "training": [k.training for k in m.modules()], "grad": torch.is_grad_enabled(),
+                      "repeatable": torch.equal(out, m(probe))})  # dropout is off in eval mode
+        # Draw from every global stream: the Trainer must restore them all, or training would change below.
+        return {"whole/score": step + 0.5 + 0 * (torch.rand(()) + np.random.rand() + random.random()),
+                "whole/norm": out.norm()}  # a 0-d Tensor is fine too
+
+    x, y = W.mlp_data(12, seed=9)
+    held_out = [{"x": x[i:i + 4], "y": y[i:i + 4]} for i in range(0, 12, 4)]  # the same order at every eval
+    trainer = _mlp_trainer(tmp_path / "hook", eval_data=held_out, model_metrics_fn=whole, eval_every=2)
+    results = trainer.fit(finish=False)
+    assert [c["step"] for c in calls] == [2, 4, 6]  # every eval_every, the final eval not repeated
+    assert all(not any(c["training"]) and not c["grad"] and c["repeatable"] for c in calls)
+    assert results["eval/whole/score"] == 6.5 and math.isfinite(results["eval/whole/norm"])
+    assert "eval/loss" in results and "eval/acc" in results  # next to eval_fn's batch metrics
+    printed = capsys.readouterr().out
+    assert "step 4: eval/acc" in printed and "eval/whole/score 4.5" in printed
+
+    # Direct calls: the hook at the current step, RNG streams and train mode as they were; skippable.
+    rng = (random.getstate(), np.random.get_state()[1].copy(), torch.get_rng_state())
+    direct = trainer.evaluate()
+    assert calls[-1]["step"] == 6 and direct["eval/whole/score"] == 6.5 and direct["eval/loss"] == results["eval/loss"]
+    assert random.getstate() == rng[0] and np.array_equal(np.random.get_state()[1], rng[1])
+    assert torch.equal(torch.get_rng_state(), rng[2]) and trainer.model.training
+    assert set(trainer.evaluate(model_metrics=False)) == {"eval/loss", "eval/acc"} and len(calls) == 4
+    trainer.model_metrics_fn = lambda model, step: {"acc": 1.0}
+    with pytest.raises(ValueError, match="eval_fn's metric name"):
+        trainer.evaluate()
+    trainer.close()
+
+    # Logged with the other eval metrics.
+    logs = EventAccumulator(str(tmp_path / "hook" / "logs" / "omni"))
+    logs.Reload()
+    assert [(e.step, e.value) for e in logs.Scalars("eval/whole/score")] == [(2, 2.5), (4, 4.5), (6, 6.5)]
+    assert [e.step for e in logs.Scalars("eval/whole/norm")] == [2, 4, 6]
+
+    # Training with no evaluation at all ends with bitwise the same parameters (dropout draws included).
+    plain = _mlp_trainer(tmp_path / "plain", report_to="none")
+    plain.fit()
+    _assert_equal(_weights(tmp_path / "hook" / "final"), _weights(tmp_path / "plain" / "final"))
+
+    # No eval data: the hook alone still makes an evaluation (here only at the end, eval_every 0).
+    calls.clear()
+    alone = _mlp_trainer(tmp_path / "alone", model_metrics_fn=whole, report_to="none").fit()
+    assert [c["step"] for c in calls] == [6] and alone["eval/whole/score"] == 6.5
+    assert not any(k.startswith("eval/") and "whole" not in k for k in alone)
+    # An empty mapping (e.g. "only at the end") adds nothing.
+    skipped = _mlp_trainer(tmp_path / "skip", eval_data=held_out, eval_every=3, report_to="none",
+                           model_metrics_fn=lambda model, step: {} if step < 6 else {"late": 1.0}).fit()
+    assert skipped["eval/late"] == 1.0
+
+
+def test_model_metrics_fn_on_two_ranks_is_the_mean_over_ranks(tmp_path):
+    """Every rank calls the hook (so it may use collectives); each name is averaged over the ranks that
+    return it, and every rank gets the same result."""
+    proc = _torchrun(str(tmp_path), script=__file__)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    evals = [{k: v for k, v in results.items() if k.startswith("eval/")} for results, _ in ranks]
+    assert evals[0] == evals[1] and ranks[0][1] == ranks[1][1] == [3, 6]  # same values, hook at every eval
+    results = ranks[0][0]
+    assert results["eval/same"] == 1.5 and results["eval/rank"] == 0.5 and results["eval/only1"] == 7.0
+    assert results["eval/all"] == 3.0 and math.isfinite(results["eval/loss"])
+
+
+def _two_rank_model_metrics(out: str) -> None:
+    """torchrun entry point (2 gloo ranks) of the test above."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    rank, steps = int(os.environ["RANK"]), []
+
+    def whole(model, step):
+        steps.append(step)
+        total = torch.tensor(float(rank + 1))
+        dist.all_reduce(total)  # every rank is in the hook: collectives are fine
+        return {"same": 1.5, "rank": float(rank), "all": total, **({"only1": 7.0} if rank == 1 else {})}
+
+    x, y = W.mlp_data(48)
+    xe, ye = W.mlp_data(16, seed=5)
+    cfg = TrainConfig(output_dir=str(Path(out) / "run"), steps=6, lr=1e-2, grad_accum=2, eval_every=3,
+                      progress=False, mixed_precision="no", report_to="none", export=False)
+    trainer = Trainer(W.make_mlp(0, 0.3), W.mlp_loss, W.ListLoader(x, y, 8, rank, 2), cfg,
+                      eval_data=W.ListLoader(xe, ye, 8, rank, 2), eval_fn=W.mlp_eval, model_metrics_fn=whole)
+    results = trainer.fit()
+    (Path(out) / f"rank{rank}.json").write_text(json.dumps([results, steps]))
+
+
+# ----------------------------------------------------------------------------------------------------
 # Schedule, param groups, logging, export
 
 
@@ -389,3 +505,7 @@ def test_export_tied_lm_head_and_import_path_builder(tmp_path):
     with pytest.raises(KeyError, match="no_such_builder"):
         save_pretrained(mlp, tmp_path / "x", {"builder": "no_such_builder"})
         load_pretrained(tmp_path / "x")
+
+
+if __name__ == "__main__":  # torchrun entry point of test_model_metrics_fn_on_two_ranks_is_the_mean_over_ranks
+    _two_rank_model_metrics(sys.argv[1])
