@@ -70,8 +70,7 @@ Notes for the GPU run: the first packed-flex step compiles the Flex kernels (for
 absorb it). block_mask has host syncs (mixed.any(), nonzero()), so the CPU cannot queue the next step ahead while a
 mask is built; that cost is inside the step times. --compile: per-modality token counts and padded shapes change
 every batch, so dynamo recompiles once to dynamic shapes during warm-up (use --warmup >= 4; TORCH_LOGS=recompiles
-shows it). The Packer orders its per-modality dicts by first appearance, which changes per batch and is a dynamo
-guard (a recompile per new order); this script puts them in name order (``canonical``), the recipe does not yet.
+shows it). The Packer returns its per-modality dicts in modality-name order, so dict order never recompiles.
 Compare figures only within one run / one machine.
 """
 
@@ -228,9 +227,9 @@ def padded(samples: Sequence[Sample], tasks: Sequence[int], names: Sequence[str]
     rows = [[i] for i in group]
     T = round_up(max(len(samples[i]) for i in group), multiple)
     batch = RowPacker(T, rows, multiple)(samples)
-    return canonical(MixedBatch(**{f.name: getattr(batch, f.name) for f in fields(PackedBatch)},
-                                document_task=torch.tensor([tasks[i] for i in group], dtype=torch.long),
-                                task_names=tuple(names)))
+    return MixedBatch(**{f.name: getattr(batch, f.name) for f in fields(PackedBatch)},
+                      document_task=torch.tensor([tasks[i] for i in group], dtype=torch.long),
+                      task_names=tuple(names))
 
 
 def bucket_split(lengths: Sequence[int], k: int, multiple: int) -> list[list[int]]:
@@ -255,16 +254,6 @@ def bucket_split(lengths: Sequence[int], k: int, multiple: int) -> list[list[int
     return [[order[t] for t in range(lo, hi)] for lo, hi in reversed(bounds) if hi > lo]
 
 
-def canonical(batch: MixedBatch) -> MixedBatch:
-    """The per-modality dicts in modality-name order. The Packer fills them in order of first appearance, so
-    their key order changes from batch to batch, and torch.compile guards on it (a recompile per new order);
-    the numbers do not depend on it (embed scatters disjoint indices)."""
-    for name in ("tokens", "index", "targets", "segment_of", "segment_document"):
-        d = getattr(batch, name)
-        setattr(batch, name, {k: d[k] for k in sorted(d)})
-    return batch
-
-
 Layout = list[tuple[MixedBatch, list[int]]]  # sub-batches (one forward/backward each), sample index per document
 
 
@@ -273,7 +262,7 @@ def layouts(draw: tuple[list[Sample], list[int], list[list[int]]], names: Sequen
     """Each variant's sub-batches for one step's samples."""
     samples, tasks, rows = draw
     out: dict[str, Layout] = {}
-    packed = (canonical(pack_mixed(samples, tasks, names, row_length, rows)),  # the recipe's own batch
+    packed = (pack_mixed(samples, tasks, names, row_length, rows),  # the recipe's own batch
               [i for row in rows for i in row])
     for v in variants:
         if v in ("packed-flex", "packed-sdpa"):

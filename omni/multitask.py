@@ -685,7 +685,10 @@ class MultitaskModel(nn.Module):
         real = (batch.document >= 0).sum().clamp_min(1)
         n_docs = batch.document_task.shape[0]
         # tokens per document; padding (-1) lands in slot 0 and is dropped (no data-dependent shapes)
-        doc_tokens = torch.bincount((batch.document + 1).flatten(), minlength=n_docs + 1)[1:n_docs + 1]
+        # (index_add_, not bincount: bincount's data-dependent output size breaks the compiled graph)
+        slot = (batch.document + 1).flatten()
+        doc_tokens = torch.zeros(n_docs + 1, dtype=torch.long, device=slot.device).index_add_(
+            0, slot, torch.ones_like(slot))[1:n_docs + 1]
         for i, t in enumerate(self.tasks):
             if all(m in batch.tokens for m in t.tokenizers()):
                 loss, extra = t.loss(self.omni, hidden, batch, i)

@@ -288,9 +288,11 @@ class Packer:
         for m, lst in targets.items():
             if len(lst) != len(tokens[m]):
                 raise ValueError(f"some {m} segments have targets and some do not; targets must be all or none")
-        cat = lambda d: {k: torch.cat(v) for k, v in d.items()}  # noqa: E731
+        # Dicts in modality-name order, not first-appearance order: torch.compile guards on dict key order,
+        # so an order that changes from batch to batch would recompile the model (seen: every step).
+        cat = lambda d: {k: torch.cat(d[k]) for k in sorted(d)}  # noqa: E731
         return PackedBatch(tokens=cat(tokens), index=cat(index), targets=cat(targets), segment_of=cat(seg_of),
-                           segment_document={k: torch.tensor(v) for k, v in seg_doc.items()},
+                           segment_document={k: torch.tensor(seg_doc[k]) for k in sorted(seg_doc)},
                            positions=positions, document=document, segment=segment, causal=causal,
                            keys=keys, labels=labels)
 
@@ -298,6 +300,8 @@ class Packer:
 def segment_mean(values: Tensor, segment_of: Tensor, n_segments: int) -> Tensor:
     """Mean of per-token values (N, d) over each segment -> (n_segments, d)."""
     sums = values.new_zeros(n_segments, values.shape[-1]).index_add_(0, segment_of, values)
-    counts = torch.bincount(segment_of, minlength=n_segments).clamp_min(1).to(values.dtype)
+    # index_add_ rather than bincount: bincount's output size depends on the data (a graph break)
+    counts = values.new_zeros(n_segments).index_add_(0, segment_of, values.new_ones(segment_of.shape[0]))
+    counts = counts.clamp_min(1)
     return sums / counts[:, None]
 

@@ -242,3 +242,20 @@ def test_block_mask_equals_create_block_mask(seed, row_length, max_len, block):
     for mine, theirs in zip(_block_sets(ours), _block_sets(reference)):
         assert torch.equal(mine, theirs)
     assert ours.seq_lengths == (T, T)
+
+
+def test_packed_dicts_in_modality_name_order():
+    """torch.compile guards on dict key order: the per-modality dicts must not follow sample order."""
+    vec, ids = VecTokenizer(), IdsTokenizer()
+    a = Sample([ids.encode(torch.arange(5))], key="a")
+    b = Sample([vec.encode(torch.randn(4, 6))], key="b")
+    for samples in ([a, b], [b, a]):
+        batch = Packer(row_length=128)(samples)
+        for d in (batch.tokens, batch.index, batch.segment_of, batch.segment_document):
+            assert list(d) == ["ids", "vec"]
+
+
+def test_segment_mean_counts_with_empty_segments():
+    values = torch.tensor([[1.0, 2.0], [3.0, 4.0], [10.0, 0.0]])
+    out = segment_mean(values, torch.tensor([0, 0, 2]), 4)
+    assert torch.equal(out, torch.tensor([[2.0, 3.0], [0.0, 0.0], [10.0, 0.0], [0.0, 0.0]]))
