@@ -11,7 +11,7 @@ import soundfile as sf
 import torch
 
 from omni.export import save_pretrained
-from omni.speech import (SpeechCollate, SpeechRecognizer, beam_search, edit_distance, error_rates,
+from omni.speech import (SpeechCollate, SpeechRecognizer, beam_search, edit_distance, error_rates, read_audio_file,
                          greedy_decode, normalize_text, pad_audio, speech_example, speech_loss, split_windows,
                          transcribe_batch, transcribe_files, transcribe_waveforms)
 from omni.tokenizers.audio import AudioTokenizer
@@ -148,8 +148,13 @@ def test_tiny_model_overfits_to_exact_transcripts(trained, toks):
         {"wer": 0.0, "cer": 0.0}
 
 
-def test_transcribe_files_any_format_rate_channels(trained, tmp_path):
-    _, _, waves, _, ckpt = trained
+def test_transcribe_files_any_format_rate_channels(trained, toks, tmp_path):
+    """The file path (decode, downmix, resample) recovers the training waveform, and transcribe_files gives
+    the transcript the model gives that waveform. Exact text is asserted only where the input is bit-exact
+    (16 kHz mono WAV): a 4-sentence toy model's answer to resampling noise is not what this test is about
+    (it flipped with the test order once the model differed in the last bits)."""
+    model, _, waves, _, ckpt = trained
+    audio, text = toks
     files = []
     for i, (fmt, rate, channels) in enumerate([("WAV", 16000, 1), ("FLAC", 44100, 2), ("OGG", 22050, 2)]):
         x = torch.from_numpy(waves[i])
@@ -162,8 +167,18 @@ def test_transcribe_files_any_format_rate_channels(trained, tmp_path):
         sf.write(path, arr, rate, format=fmt)
         files.append(path)
     got = transcribe_files(ckpt, files, device="cpu")
-    assert got[:2] == SENTENCES[:2]  # lossless inputs: exact
-    assert error_rates([SENTENCES[2]], [got[2]])["cer"] <= 0.2  # Vorbis is lossy
+    loaded = [read_audio_file(f, SR) for f in files]
+    assert torch.equal(loaded[0], torch.from_numpy(waves[0]))  # WAV 16 kHz mono: bit-exact
+    assert got[0] == SENTENCES[0]
+    # FLAC 44.1 kHz stereo at half amplitude per channel: downmix (mean) halves it, resampling there and back
+    # is near-lossless; Vorbis at 22.05 kHz is lossy but close.
+    for i, tol in [(1, 0.02), (2, 0.35)]:
+        ref = torch.from_numpy(waves[i]) * 0.5
+        n = min(len(ref), len(loaded[i]))
+        assert abs(len(loaded[i]) - len(ref)) <= 2
+        rel = float((loaded[i][:n] - ref[:n]).norm() / ref[:n].norm())
+        assert rel < tol, (files[i], rel)
+    assert got == transcribe_waveforms(model, audio, text, loaded, max_new_tokens=224)
 
 
 def test_transcribe_errors_name_the_file(trained, tmp_path):
