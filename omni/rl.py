@@ -555,6 +555,23 @@ def make_envs(env_id: str, n: int) -> list[Any]:
         raise ValueError(f"cannot make Gymnasium env {env_id!r}: {exc}") from None
 
 
+def reference_returns(manifest: Mapping[str, Any], episodes: Sequence[Mapping[str, Any]]
+                      ) -> tuple[tuple[float, float], str]:
+    """((random, expert) returns for the normalised score, where they come from): the manifest's
+    (``omni data gym`` measures them with a random policy and the noise-free scripted expert; Minari
+    ports carry ref_min/max_score), else the dataset's min / max episode return, with a warning."""
+    refs = manifest.get("reference_returns") or {}
+    lo, hi = refs.get("random"), refs.get("expert")
+    if lo is not None and hi is not None:
+        return (float(lo), float(hi)), "manifest (random policy / noise-free scripted expert)"
+    import warnings
+
+    warnings.warn("dataset has no random/expert reference returns: using the dataset's min/max episode return")
+    rets = [episode_return(ep) for ep in episodes]
+    lo, hi = (min(rets) if lo is None else lo), (max(rets) if hi is None else hi)
+    return (float(lo), float(hi)), "dataset min/max return"
+
+
 def evaluate(model: DecisionTransformer, tok: TrajectoryTokenizer, env_id: str, *,
              targets: Sequence[float | None], seeds: Sequence[int], reference: tuple[float, float] | None,
              max_steps: int | None = None, device: torch.device | str | None = None, cache: bool = True,
@@ -584,4 +601,4 @@ def evaluate(model: DecisionTransformer, tok: TrajectoryTokenizer, env_id: str, 
 __all__ = ["DecisionTransformer", "EpisodeData", "KIND_PAD", "RolloutResult", "SpaceSpec", "WindowLoader",
            "action_loss", "build_decision_transformer", "check_env", "encode_episodes", "episode_return",
            "evaluate", "gather_windows", "load_episodes", "make_envs", "make_tokenizer", "normalized_score",
-           "rollout", "summarize_returns", "top_episodes"]
+           "reference_returns", "rollout", "summarize_returns", "top_episodes"]

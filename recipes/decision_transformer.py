@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import sys
 import time
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +36,7 @@ from omni.rl import (
     evaluate,
     load_episodes,
     make_tokenizer,
+    reference_returns,
     summarize_returns,
     top_episodes,
 )
@@ -103,18 +103,6 @@ def load_data(cfg: dict) -> tuple[dict, list[dict]]:
     return manifest, load_episodes(data, "train")
 
 
-def references(manifest: dict, episodes: list[dict]) -> tuple[tuple[float, float], str]:
-    refs = manifest.get("reference_returns") or {}
-    rets = [episode_return(ep) for ep in episodes]
-    lo = refs.get("random")
-    hi = refs.get("expert")
-    source = "manifest (random policy / noise-free scripted expert)"
-    if lo is None or hi is None:
-        warnings.warn("dataset has no random/expert reference returns: using the dataset's min/max episode return")
-        lo, hi, source = (min(rets) if lo is None else lo), max(rets), "dataset min/max return"
-    return (float(lo), float(hi)), source
-
-
 def train_one(cfg: dict, tok, episodes: list[dict], method: str, seed: int, device: torch.device):
     use_returns = method == "dt"
     data = encode_episodes(tok, episodes, short=cfg["short"]).to(device)
@@ -169,7 +157,7 @@ def main(argv=None) -> dict:
     import gymnasium as gym
 
     limit = gym.spec(cfg["env"]).max_episode_steps or max(len(ep["actions"]) for ep in episodes)
-    ref, ref_source = references(manifest, episodes)
+    ref, ref_source = reference_returns(manifest, episodes)
     tok = make_tokenizer(episodes, spaces, context=cfg["context"], rtg_scale=cfg["rtg_scale"],
                          max_timestep=max(limit, max(len(ep["actions"]) for ep in episodes)) + 1)
     targets = cfg["targets"] or [ref[0] + f * (ref[1] - ref[0]) for f in cfg["target_fractions"]]

@@ -291,28 +291,12 @@ class _DecodeClip:
         return tokens, sample["txt"].decode("utf-8").strip()
 
 
-def rl_references(manifest: dict, episodes: list[dict]) -> tuple[float, float]:
-    """(random, expert) returns for the normalised score: the manifest's (``omni data gym`` measures them), else
-    the dataset's min/max episode return, as recipes/decision_transformer.py falls back."""
-    import warnings
-
-    from omni.rl import episode_return
-
-    refs = manifest.get("reference_returns") or {}
-    lo, hi = refs.get("random"), refs.get("expert")
-    if lo is None or hi is None:
-        warnings.warn("dataset has no random/expert reference returns: using the dataset's min/max episode return")
-        rets = [episode_return(ep) for ep in episodes]
-        lo, hi = (min(rets) if lo is None else lo), (max(rets) if hi is None else hi)
-    return float(lo), float(hi)
-
-
 def gym_episodes(spec: dict, cache: Path, seed: int) -> tuple[dict[str, list], Any, tuple[float, float]]:
     import gymnasium as gym
 
     from omni.data.builders_rl import build_gym
     from omni.data.shards import read_manifest
-    from omni.rl import SpaceSpec, load_episodes, make_tokenizer
+    from omni.rl import SpaceSpec, load_episodes, make_tokenizer, reference_returns
 
     mix = spec.get("mix")
     tag = "" if mix is None else "-" + "".join(c if c.isalnum() else "_" for c in mix)
@@ -328,7 +312,7 @@ def gym_episodes(spec: dict, cache: Path, seed: int) -> tuple[dict[str, list], A
     limit = gym.spec(spec["env"]).max_episode_steps or longest
     tok = make_tokenizer(episodes[:-n_eval], SpaceSpec.from_manifest(manifest), context=spec["context"],
                          max_timestep=max(limit, longest) + 1)
-    return {"train": episodes[:-n_eval], "test": episodes[-n_eval:]}, tok, rl_references(manifest, episodes)
+    return {"train": episodes[:-n_eval], "test": episodes[-n_eval:]}, tok, reference_returns(manifest, episodes)[0]
 
 
 def austen(spec: dict, cache: Path, text) -> dict[str, list[str]]:
