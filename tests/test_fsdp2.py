@@ -16,7 +16,6 @@ import json
 import math
 import os
 import shutil
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -30,6 +29,7 @@ ROOT = HERE.parent
 sys.path[:0] = [str(ROOT), str(HERE)]
 
 import _fsdp2_worker as F  # noqa: E402
+from _launch import gloo_env, run_group  # noqa: E402
 from omni.export import load_pretrained, tied_names  # noqa: E402
 from omni.train import use_cpu  # noqa: E402
 
@@ -44,23 +44,14 @@ def _launch(*args: str, cpu_flag: bool = True, timeout: int = 90) -> subprocess.
     session (a hang is killed whole). ``cpu_flag=False`` leaves ACCELERATE_USE_CPU unset, as a user on a
     CPU-only machine would (omni.train.use_cpu then picks the CPU); set anyway where an accelerator exists,
     tests stay on the CPU."""
-    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{HERE}", OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "ACCELERATE_USE_CPU"):
-        env.pop(k, None)
+    env = gloo_env(PYTHONPATH=f"{ROOT}{os.pathsep}{HERE}")
     if cpu_flag or torch.accelerator.is_available():
         env["ACCELERATE_USE_CPU"] = "1"
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", CONFIG, "--num_processes", "2",
            "--main_process_port", "0", *args]
-    proc = subprocess.Popen(cmd, env=env, cwd=str(ROOT), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        pytest.fail(f"accelerate launch timed out after {timeout}s\n{out[-3000:]}\n{err[-5000:]}")
-    assert proc.returncode == 0, out[-3000:] + err[-6000:]
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+    proc = run_group(cmd, env, timeout, "accelerate launch", cwd=str(ROOT))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return proc
 
 
 def _worker(out: Path, *extra: str) -> tuple[list[dict], str]:

@@ -15,8 +15,6 @@ import hashlib
 import importlib.util
 import json
 import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
@@ -24,6 +22,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from _launch import gloo_env, run_group
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # `omni` when run as the torchrun worker
@@ -442,19 +441,11 @@ def test_plugin_modality_joins_the_mix_by_config_only(plugin_with_data, cache, t
 
 
 def test_two_ranks_end_with_identical_parameters(cache, tmp_path):
-    env = dict(os.environ, PYTHONPATH=str(ROOT), ACCELERATE_USE_CPU="1", OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(k, None)
+    env = gloo_env(PYTHONPATH=str(ROOT), ACCELERATE_USE_CPU="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", __file__,
            str(cache), str(tmp_path / "ddp")]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=150)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        pytest.fail(f"torchrun timed out\n{out[-3000:]}\n{err[-5000:]}")
+    proc = run_group(cmd, env, 150, "torchrun")
+    out, err = proc.stdout, proc.stderr
     assert proc.returncode == 0, out[-3000:] + err[-5000:]
     ranks = [json.loads((tmp_path / "ddp" / f"rank{r}.json").read_text()) for r in range(2)]
     assert ranks[0]["world"] == ranks[1]["world"] == 2

@@ -19,6 +19,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 import _train_worker as W
+from _launch import gloo_env, run_group
 from omni.packing import Packer
 from omni.export import build_omni_model, load_config, load_pretrained, load_tokenizers, save_pretrained
 from omni.train import (NonFiniteLossError, TrainConfig, Trainer, default_param_groups, flatten_config,
@@ -30,26 +31,14 @@ WORKER = str(HERE / "_train_worker.py")
 
 
 def _env() -> dict[str, str]:
-    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{HERE}", ACCELERATE_USE_CPU="1", OMP_NUM_THREADS="1",
-               GLOO_SOCKET_IFNAME="lo")  # as accelerate's debug_launcher: hostname-based choice is flaky
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(k, None)
-    return env
+    return gloo_env(PYTHONPATH=f"{ROOT}{os.pathsep}{HERE}", ACCELERATE_USE_CPU="1")
 
 
 def _torchrun(*args: str, extra_env: dict | None = None, timeout: int = 90,
               script: str = WORKER) -> subprocess.CompletedProcess:
     """torchrun with 2 gloo ranks in its own session, so a hang is killed whole (no orphaned ranks)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", script, *args]
-    proc = subprocess.Popen(cmd, env={**_env(), **(extra_env or {})}, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        pytest.fail(f"torchrun {args[0]} timed out after {timeout}s\n{out[-3000:]}\n{err[-5000:]}")
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+    return run_group(cmd, {**_env(), **(extra_env or {})}, timeout, f"torchrun {args[0]}")
 
 
 def _weights(path: Path) -> dict[str, torch.Tensor]:

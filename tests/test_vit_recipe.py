@@ -136,25 +136,17 @@ def test_predict_cli_unreadable_file(trained, tmp_path, capsys):
 def test_recipe_runs_on_two_processes(dataset, tmp_path):
     """`torchrun --nproc-per-node 2 recipes/vit.py` (gloo on CPU; what `accelerate launch` does on GPUs):
     the ranks split the data (half the batches per epoch each), only the main process reports/exports."""
-    import os
-    import signal
-    import subprocess
     import sys
 
-    env = dict(os.environ, ACCELERATE_USE_CPU="1", OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(k, None)
+    from _launch import gloo_env, run_group
+
+    env = gloo_env(ACCELERATE_USE_CPU="1")
     out = tmp_path / "ddp"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            str(ROOT / "recipes" / "vit.py"), "--preset", "tiny", "--data", str(dataset[0]), "--out", str(out),
            "--set", "progress=False", "workers=0", "steps=6", "limit_train=None", "limit_eval=None"]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    try:
-        stdout, stderr = proc.communicate(timeout=180)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        pytest.fail("two-process recipe run timed out")
+    proc = run_group(cmd, env, 180, "two-process recipe run")
+    stdout, stderr = proc.stdout, proc.stderr
     assert proc.returncode == 0, stderr[-3000:]
     starts = [line for line in stdout.splitlines() if line.startswith("ViT preset tiny")]
     assert len(starts) == 1, stdout  # main process only
