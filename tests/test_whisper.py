@@ -11,20 +11,16 @@ import soundfile as sf
 import torch
 
 from omni.export import save_pretrained
-from omni.speech import (SpeechCollate, SpeechRecognizer, beam_search, edit_distance, error_rates, read_audio_file,
+from omni.speech import (SpeechCollate, beam_search, edit_distance, error_rates, read_audio_file,
                          greedy_decode, normalize_text, pad_audio, speech_example, speech_loss, split_windows,
                          transcribe_batch, transcribe_files, transcribe_waveforms)
+from _speech_models import one_token_model, tiny_model
 from omni.tokenizers.audio import AudioTokenizer
 from omni.tokenizers.text import TextTokenizer
 from omni.trunk import preset
 
 SENTENCES = ["The cat sat down.", "A red ball rolls away.", "She sings a song.", "Where is my hat?"]
 SR = 16000
-
-
-def tiny_model(audio: AudioTokenizer, text: TextTokenizer, seed: int = 0) -> SpeechRecognizer:
-    torch.manual_seed(seed)
-    return SpeechRecognizer(audio, text, preset("tiny"), preset("tiny", cross_attention=True))
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
@@ -75,13 +71,7 @@ def test_beam_width_one_equals_greedy(random_setup):
 def test_repetition_guard_keeps_first_copy(toks):
     """A model forced to emit one token forever stops after max_repeats copies and keeps one."""
     audio, text = toks
-    model = tiny_model(audio, text).eval()
-    with torch.no_grad():
-        model.decoder.norm.weight.zero_()
-        model.decoder.norm.bias.zero_()
-        model.decoder.norm.bias[0] = 1.0  # hidden = e0 -> logits = embedding column 0
-        model.text_embed.token.weight[:, 0] = 0.0
-        model.text_embed.token.weight[500, 0] = 5.0  # token 500 always wins
+    model = one_token_model(audio, text, 500)
     mem = model.encode(audio.encode(torch.zeros(SR)).tokens[None])
     assert greedy_decode(model, mem, max_new_tokens=50, max_repeats=4) == [[500]]
     assert greedy_decode(model, mem, max_new_tokens=50, max_repeats=None) == [[500] * 50]

@@ -11,11 +11,11 @@ import copy
 import pytest
 import torch
 
-from omni.speech import (GraphedGreedyDecoder, SpeechCollate, SpeechRecognizer, _repeat_keep_static, _repeat_tables,
+from omni.speech import (GraphedGreedyDecoder, SpeechCollate, _repeat_keep_static, _repeat_tables,
                          _repeated_tail, greedy_decode, pad_audio, speech_example, speech_loss)
+from _speech_models import one_token_model, tiny_model
 from omni.tokenizers.audio import AudioTokenizer
 from omni.tokenizers.text import TextTokenizer
-from omni.trunk import preset
 
 SR = 16000
 SENTENCES = ["The cat sat down.", "A red ball rolls away from the old grey wall.", "Hi.", "Where is my hat?"]
@@ -27,11 +27,6 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 @pytest.fixture(scope="module")
 def toks() -> tuple[AudioTokenizer, TextTokenizer]:
     return AudioTokenizer(), TextTokenizer()
-
-
-def tiny_model(audio: AudioTokenizer, text: TextTokenizer, seed: int = 0, **trunk) -> SpeechRecognizer:
-    torch.manual_seed(seed)
-    return SpeechRecognizer(audio, text, preset("tiny", **trunk), preset("tiny", cross_attention=True, **trunk))
 
 
 @pytest.fixture(scope="module")
@@ -177,13 +172,8 @@ def test_min_new_tokens(trained_setup):
 def test_repetition_guard_model(toks):
     """A model forced to emit one token forever: the guard keeps one copy, on the static path too."""
     audio, text = toks
-    model = tiny_model(audio, text).eval()
+    model = one_token_model(audio, text, 500)
     with torch.no_grad():
-        model.decoder.norm.weight.zero_()
-        model.decoder.norm.bias.zero_()
-        model.decoder.norm.bias[0] = 1.0  # hidden = e0 -> logits = embedding column 0
-        model.text_embed.token.weight[:, 0] = 0.0
-        model.text_embed.token.weight[500, 0] = 5.0  # token 500 always wins
         mem = model.encode(audio.encode(torch.zeros(SR)).tokens[None])
     assert both(model, mem, None, max_new_tokens=50, max_repeats=4) == [[500]]
     assert both(model, mem, None, max_new_tokens=50, max_repeats=None) == [[500] * 50]
