@@ -100,7 +100,7 @@ import math
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -204,8 +204,8 @@ def fashion_mnist(spec: dict, cache: Path) -> dict[str, tuple[list, list]]:
 
 def speech_synth(spec: dict, cache: Path, audio, seed: int) -> dict[str, tuple[list, list]]:
     """Synthesised utterances, encoded once to log-mel tokens and cached (the mel extraction is the CPU cost)."""
-    path = cache / f"speech-{spec['train']}-{spec['test']}-{spec['max_words']}.pt"
-    if not path.is_file():
+
+    def build() -> dict[str, dict[str, list]]:
         from omni.data.builders_speech import load_paragraphs, split_sentences_by_seed
         from omni.data.speech import extract_sentences, render_utterance
 
@@ -225,6 +225,16 @@ def speech_synth(spec: dict, cache: Path, audio, seed: int) -> dict[str, tuple[l
                 tokens.append(audio.encode(flac, key=f"{split}{i}").tokens)
                 texts.append(text)
             data[split] = {"tokens": tokens, "text": texts}
+        return data
+
+    return _cached_audio(cache / f"speech-{spec['train']}-{spec['test']}-{spec['max_words']}.pt", build, audio)
+
+
+def _cached_audio(path: Path, build: Callable[[], dict[str, dict[str, list]]], audio) -> dict[str, tuple[list, list]]:
+    """``build()``'s {split: {"tokens": [log-mel tokens], "text": [...]}} computed once and saved atomically to
+    ``path`` (temp file, then rename), then loaded as ({split: (audio Segments, transcripts)})."""
+    if not path.is_file():
+        data = build()
         path.parent.mkdir(parents=True, exist_ok=True)
         torch.save(data, str(path) + ".tmp")
         Path(str(path) + ".tmp").replace(path)
@@ -251,8 +261,8 @@ def speech_shards(spec: dict, cache: Path, audio, seed: int) -> dict[str, tuple[
         print(f"synthesising speech shards in {data} (as recipes/whisper.py) ...", flush=True)
         build_speech_synth(data, **spec["build"], seed=seed, quiet=True)
     digest = hashlib.sha256((data / "manifest.json").read_bytes()).hexdigest()[:12]
-    path = cache / f"speech-shards-{digest}.pt"
-    if not path.is_file():
+
+    def build() -> dict[str, dict[str, list]]:
         decode = _DecodeClip(audio)
         out = {}
         for split in ("train", "test"):
@@ -263,12 +273,9 @@ def speech_shards(spec: dict, cache: Path, audio, seed: int) -> dict[str, tuple[
                 warnings.warn(f"{data} {split}: dropped {loader.num_samples - len(items)} clips longer than "
                               f"{audio.max_seconds} s")
             out[split] = {"tokens": [t for t, _ in items], "text": [x for _, x in items]}
-        path.parent.mkdir(parents=True, exist_ok=True)
-        torch.save(out, str(path) + ".tmp")
-        Path(str(path) + ".tmp").replace(path)
-    encoded = torch.load(path)
-    return {split: ([Segment("audio", t, torch.arange(t.shape[0]), audio.role) for t in d["tokens"]], d["text"])
-            for split, d in encoded.items()}
+        return out
+
+    return _cached_audio(cache / f"speech-shards-{digest}.pt", build, audio)
 
 
 class _DecodeClip:
