@@ -295,20 +295,27 @@ class ClassifyTask(Task):
         return {"accuracy": correct / len(samples), "loss": nll / len(samples), "items": float(len(samples))}
 
 
-def _lm_head(model: OmniModel) -> LMHead:
-    table = model.embedders["text"].token
-    return LMHead(model.trunk_config.d_model, table.weight.shape[0], tie_to=table)
+class _NextTextTokenTask(Task):
+    """A task whose head predicts the next text token (LM head tied to the text embedding) and whose loss is
+    next-token cross-entropy over the text tokens of its documents. Subclasses name their ``text_tokenizer``."""
 
+    text_tokenizer: TextTokenizer
 
-def _lm_loss(model: OmniModel, head: str, hidden: Tensor, batch: MixedBatch, index: int) -> tuple[Tensor, dict[str, Tensor]]:
-    """Next-token cross-entropy over the text tokens of this task's documents."""
-    logits = model.heads[head](OmniModel.gather(hidden, batch, "text")).float()
-    targets = batch.targets["text"]
-    w = ((batch.token_task("text") == index) & (targets != IGNORE_INDEX)).float()
-    safe = targets.clamp_min(0)  # ignored rows get weight 0; keep the index valid
-    nll = F.cross_entropy(logits, safe, reduction="none")
-    acc = (logits.argmax(-1) == safe).float()
-    return _masked_mean(nll, w), {"token_accuracy": _masked_mean(acc, w)}
+    def make_heads(self, model: OmniModel) -> dict[str, nn.Module]:
+        table = model.embedders["text"].token
+        return {self.name: LMHead(model.trunk_config.d_model, table.weight.shape[0], tie_to=table)}
+
+    def head_specs(self) -> dict[str, dict[str, Any]]:
+        return {self.name: {"type": "lm", "vocab_size": self.text_tokenizer.vocab_size, "tie_to": "text"}}
+
+    def loss(self, model, hidden, batch, index):
+        logits = model.heads[self.name](OmniModel.gather(hidden, batch, "text")).float()
+        targets = batch.targets["text"]
+        w = ((batch.token_task("text") == index) & (targets != IGNORE_INDEX)).float()
+        safe = targets.clamp_min(0)  # ignored rows get weight 0; keep the index valid
+        nll = F.cross_entropy(logits, safe, reduction="none")
+        acc = (logits.argmax(-1) == safe).float()
+        return _masked_mean(nll, w), {"token_accuracy": _masked_mean(acc, w)}
 
 
 def _lm_nll_sum(model: OmniModel, head: str, hidden: Tensor, batch: PackedBatch) -> tuple[float, int]:
@@ -319,7 +326,7 @@ def _lm_nll_sum(model: OmniModel, head: str, hidden: Tensor, batch: PackedBatch)
     return float(F.cross_entropy(logits[keep], targets[keep], reduction="sum")), int(keep.sum())
 
 
-class LMTask(Task):
+class LMTask(_NextTextTokenTask):
     """Causal language modelling on text documents, LM head tied to the text embedding."""
 
     kind = "lm"
@@ -331,6 +338,7 @@ class LMTask(Task):
         if not len(texts):
             raise ValueError(f"task {name!r}: no texts")
         self.tokenizer, self.texts = tokenizer, texts
+        self.text_tokenizer = tokenizer
 
     def tokenizers(self) -> dict[str, Tokenizer]:
         return {"text": self.tokenizer}
@@ -341,15 +349,6 @@ class LMTask(Task):
     def sample(self, i: int, rng: np.random.Generator) -> Sample:
         key = f"{self.name}/{i}"
         return Sample([self.tokenizer.encode(self.texts[i], key=key)], key=key)
-
-    def make_heads(self, model: OmniModel) -> dict[str, nn.Module]:
-        return {self.name: _lm_head(model)}
-
-    def head_specs(self) -> dict[str, dict[str, Any]]:
-        return {self.name: {"type": "lm", "vocab_size": self.tokenizer.vocab_size, "tie_to": "text"}}
-
-    def loss(self, model, hidden, batch, index):
-        return _lm_loss(model, self.name, hidden, batch, index)
 
     def evaluate(self, model: OmniModel, *, row_length: int = 1024, rows: int = 8) -> dict[str, float]:
         """Held-out language modelling: token perplexity exp(NLL / tokens) and bits per byte
@@ -369,7 +368,7 @@ class LMTask(Task):
                 "documents": float(len(samples))}
 
 
-class TranscribeTask(Task):
+class TranscribeTask(_NextTextTokenTask):
     """Speech recognition as a prefix-LM: [audio, <bos><|transcribe|> text <eos>] in one document.
 
     ``clips[i]`` is raw audio for ``audio.encode`` or an encoded audio Segment (pre-encode small sets:
@@ -385,6 +384,7 @@ class TranscribeTask(Task):
         if len(clips) != len(transcripts) or not len(clips):
             raise ValueError(f"task {name!r}: {len(clips)} clips but {len(transcripts)} transcripts")
         self.audio, self.text, self.clips, self.transcripts = audio, text, clips, transcripts
+        self.text_tokenizer = text
         self.task_token = task_token
 
     def tokenizers(self) -> dict[str, Tokenizer]:
@@ -401,15 +401,6 @@ class TranscribeTask(Task):
         key = f"{self.name}/{i}"
         text = self.text.encode(self.transcripts[i], key=key, task=self.task_token)
         return Sample([self.audio_segment(i), text], key=key, label=self.transcripts[i])
-
-    def make_heads(self, model: OmniModel) -> dict[str, nn.Module]:
-        return {self.name: _lm_head(model)}
-
-    def head_specs(self) -> dict[str, dict[str, Any]]:
-        return {self.name: {"type": "lm", "vocab_size": self.text.vocab_size, "tie_to": "text"}}
-
-    def loss(self, model, hidden, batch, index):
-        return _lm_loss(model, self.name, hidden, batch, index)
 
     def transcribe(self, model: OmniModel, indices: Sequence[int] | None = None, *, batch_size: int = 64,
                    use_cache: bool = True, **guards: Any) -> list[str]:
