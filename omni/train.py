@@ -110,7 +110,7 @@ class TrainConfig:
     keep_checkpoints: int = 2  # newest complete checkpoints kept; <= 0 keeps all
     log_every: int = 10
     seed: int = 0  # torch/numpy/python seed (+ rank), and the prepared DataLoader's shuffle seed
-    progress: bool = True  # tqdm bar on the main process
+    progress: bool = True  # tqdm bar on the main process; False: one printed line per log_every steps
     report_to: str = "tensorboard"  # any Accelerate tracker name, or "none"
     run_name: str = "omni"  # tracker run name: logs go to output_dir/logs/<run_name>
     resume: bool = True  # continue from the newest complete checkpoint in output_dir/checkpoints
@@ -915,6 +915,9 @@ class Trainer:
                     logged = self._summarise(window, dt, self._stream.epoch)
                     acc.log(logged, step=self.step)
                     bar.set_postfix(loss=f"{logged['train/loss']:.4g}", lr=f"{logged['train/lr']:.3g}")
+                    if acc.is_main_process and not cfg.progress:  # no bar: a plain line, for log files
+                        print(f"step {self.step}/{cfg.steps}: " + ", ".join(
+                            f"{k.removeprefix('train/')} {v:.4g}" for k, v in logged.items()), flush=True)
                     results.update(logged)
                     window, t0 = [], time.perf_counter()
                 if cfg.eval_every > 0 and self.step % cfg.eval_every == 0 and self.evaluates:

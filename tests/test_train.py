@@ -498,3 +498,16 @@ def test_export_tied_lm_head_and_import_path_builder(tmp_path):
 
 if __name__ == "__main__":  # torchrun entry point of test_model_metrics_fn_on_two_ranks_is_the_mean_over_ranks
     _two_rank_model_metrics(sys.argv[1])
+
+
+def test_progress_off_prints_one_line_per_log_step(tmp_path, capsys):
+    """Without the tqdm bar (log files, CI) training still reports loss/lr every log_every steps."""
+    from omni.data.reader import ShardLoader
+
+    urls = W.write_vec_shards(tmp_path / "shards")
+    loader = ShardLoader(urls, W.decode_vec, Packer(block_size=16), batch_size=4, rank=0, world_size=1, seed=1)
+    _vec_trainer(tmp_path / "a", loader, 4, export=False).fit()
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("step ")]
+    assert [ln.split(":")[0] for ln in lines] == ["step 2/4", "step 4/4"]
+    loss = float(lines[-1].split("loss ")[1].split(",")[0])
+    assert math.isfinite(loss) and loss > 0
