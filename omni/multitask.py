@@ -65,6 +65,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from omni.data.memory import EpochCursor
 from omni.heads import ActionHead, ClassificationHead, LMHead
 from omni.model import OmniModel
 from omni.packing import BLOCK_SIZE, PackedBatch, Packer
@@ -704,7 +705,7 @@ def multitask_loss(model: nn.Module, batch: MixedBatch) -> tuple[Tensor, dict[st
 # Mixing
 
 
-class MixtureLoader:
+class MixtureLoader(EpochCursor):
     """Weighted mixture of tasks packed into fixed (rows, row_length) batches (module docstring).
 
     Rank-local and stateful (``state_dict``/``load_state_dict``/``set_epoch``), so the Trainer does not
@@ -734,16 +735,6 @@ class MixtureLoader:
 
     def __len__(self) -> int:
         return self.batches_per_epoch
-
-    def set_epoch(self, epoch: int) -> None:
-        if epoch != self.epoch:
-            self.epoch, self.batches_done = epoch, 0
-
-    def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "batches_done": self.batches_done}
-
-    def load_state_dict(self, state: Mapping[str, int]) -> None:
-        self.epoch, self.batches_done = int(state["epoch"]), int(state["batches_done"])
 
     def draw(self, epoch: int, index: int) -> tuple[list[Sample], list[int], list[list[int]]]:
         """The samples of batch ``index`` of ``epoch`` on this rank, their task indices and row assignment."""

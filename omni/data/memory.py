@@ -11,7 +11,25 @@ import torch
 from torch import Tensor
 
 
-class TensorLoader:
+class EpochCursor:
+    """The resumable position of a rank-local loader: (epoch, batches done in it). ``set_epoch`` to the
+    current epoch is a no-op, so it is safe right after ``load_state_dict``."""
+
+    epoch: int = 0
+    batches_done: int = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        if epoch != self.epoch:
+            self.epoch, self.batches_done = int(epoch), 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"epoch": self.epoch, "batches_done": self.batches_done}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.epoch, self.batches_done = int(state["epoch"]), int(state["batches_done"])
+
+
+class TensorLoader(EpochCursor):
     """Batches of aligned tensors (images, labels, ...) sliced by a seeded permutation.
 
     Each epoch permutes all N samples with (seed, epoch); rank r takes positions r, r+W, r+2W, ...
@@ -41,16 +59,6 @@ class TensorLoader:
 
     def __len__(self) -> int:
         return self.num_batches
-
-    def set_epoch(self, epoch: int) -> None:
-        if epoch != self.epoch:
-            self.epoch, self.batches_done = epoch, 0
-
-    def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "batches_done": self.batches_done}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        self.epoch, self.batches_done = int(state["epoch"]), int(state["batches_done"])
 
     def _indices(self) -> Tensor:
         n = self.num_samples
