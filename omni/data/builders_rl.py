@@ -20,7 +20,7 @@ from typing import Any, Iterator, Mapping
 
 import numpy as np
 
-from omni.data.policies import available_policies, make_policy, rollout
+from omni.data.policies import available_policies, make_policy, policy_source, register_policy_file, rollout
 from omni.data.shards import Build, fingerprint_files
 
 EPISODE_KEYS = ("observations", "actions", "rewards", "terminations", "truncations")
@@ -218,6 +218,7 @@ def build_gym(
     minari: bool | None = None,
     minari_id: str | None = None,
     minari_root_dir: str | os.PathLike | None = None,
+    policies: str | os.PathLike | None = None,
     shard_size: int = 500,
     quiet: bool = False,
     force: bool = False,
@@ -230,7 +231,8 @@ def build_gym(
     ``seed * 1_000_003 + i``. ``val_fraction`` of the episodes (seeded) go to a ``val`` split.
     With ``minari`` (default: when importable) the same episodes are also written as a Minari
     dataset ``minari_id`` (default ``omni/<out name>-v0``) under ``minari_root_dir`` (default:
-    MINARI_DATASETS_PATH, else Minari's own default).
+    MINARI_DATASETS_PATH, else Minari's own default). ``policies`` is an ``omni data train-policy``
+    file whose expert/medium policies replace ``env``'s (its env must be ``env``).
     """
     import gymnasium as gym
 
@@ -244,6 +246,13 @@ def build_gym(
         raise ValueError(f"cannot make Gymnasium env {env!r}: {exc}") from None
     action_space, observation_space = probe.action_space, probe.observation_space
     probe.close()
+    if policies is not None:
+        from omni.data.ars import load_policies
+
+        file_env = load_policies(policies)[0]
+        if file_env != env:
+            raise ValueError(f"{policies}: policies for {file_env!r}, but the env is {env!r}")
+        register_policy_file(policies)
     if mix is None:
         mix = DEFAULT_MIX if "expert" in available_policies(env) else "random:1"
     weights = parse_mix(mix, env)
@@ -261,7 +270,8 @@ def build_gym(
     build = Build(
         out, "gym",
         {"env": env, "episodes": episodes, "mix": {k: round(v, 12) for k, v in sorted(weights.items())}, "seed": seed,
-         "val_fraction": val_fraction, "reference_episodes": reference_episodes, "minari_id": mid, "minari_root": root},
+         "val_fraction": val_fraction, "reference_episodes": reference_episodes, "minari_id": mid, "minari_root": root,
+         **({"policy_sha256": source["sha256"]} if (source := policy_source(env)) else {})},
         source={"gymnasium": gym.__version__}, shard_size=shard_size, quiet=quiet, force=force,
     )  # fmt: skip
 
@@ -307,7 +317,7 @@ def build_gym(
     refs = reference_returns(env, reference_episodes) if reference_episodes > 0 else {"random": None, "expert": None}
     minari_path = None
     if minari:
-        desc = f"{episodes} episodes of {env} from omni's scripted policies, mix {mix}, seed {seed}"
+        desc = f"{episodes} episodes of {env} from omni's behaviour policies, mix {mix}, seed {seed}"
         with minari_root(root):
             minari_path = str(write_minari(mid, recorded, env, refs, desc))
     return build.finish(
@@ -317,6 +327,7 @@ def build_gym(
         policy_counts=counts,
         policy_returns={k: _stats(v) for k, v in sorted(returns.items())},
         reference_returns=refs,
+        behaviour_policy_file=source,
         minari={"id": mid, "path": minari_path} if minari else None,
         fields={"npz": NPZ_FIELD, "json": "{env_id, policy, return, length, seed, episode}"},
     )

@@ -130,8 +130,27 @@ def _gym(a: argparse.Namespace) -> Any:
     return build_gym(
         a.out, env=a.env, episodes=a.episodes, mix=a.mix, seed=a.seed, val_fraction=a.val_fraction,
         reference_episodes=a.reference_episodes, minari=a.minari, minari_id=a.minari_id,
-        minari_root_dir=a.minari_root, **_common_kwargs(a),
+        minari_root_dir=a.minari_root, policies=a.policies, **_common_kwargs(a),
     )  # fmt: skip
+
+
+def _train_policy(a: argparse.Namespace) -> Any:
+    import shlex
+
+    from omni.data.ars import ARSConfig, save_policies, select_behaviour, train_ars
+
+    cfg = ARSConfig(iterations=a.iterations, directions=a.directions, top=a.top, step_size=a.step_size,
+                    noise=a.noise, seed=a.seed)
+    checkpoints = train_ars(a.env, cfg, log=None if a.quiet else print)
+    chosen = select_behaviour(a.env, checkpoints, medium_fraction=a.medium_fraction)
+    options = ("env", "out", "iterations", "directions", "top", "step_size", "noise", "medium_fraction", "seed")
+    command = "omni data train-policy " + shlex.join(f"--{k.replace('_', '-')}={getattr(a, k)}" for k in options)
+    path = save_policies(a.out, a.env, chosen, checkpoints, cfg, command)
+    if not a.quiet:
+        print(f"omni data train-policy: {path}: expert return {chosen['expert']['return']:.1f} "
+              f"(iteration {chosen['expert']['iteration']}), medium {chosen['medium']['return']:.1f} "
+              f"(iteration {chosen['medium']['iteration']})")
+    return path
 
 
 def _minari(a: argparse.Namespace) -> Any:
@@ -215,7 +234,7 @@ def add_data_commands(subparsers: Any) -> argparse.ArgumentParser:
 
     p = sub.add_parser("gym", help="episodes of scripted behaviour policies in a Gymnasium env (+ a Minari copy)")
     _common(p, 500)
-    p.add_argument("--env", default="CartPole-v1", help="Gymnasium env id (scripted policies: CartPole-v1, Pendulum-v1)")
+    p.add_argument("--env", default="CartPole-v1", help="Gymnasium env id (behaviour policies: CartPole-v1, Pendulum-v1, Hopper-v5)")
     p.add_argument("--episodes", type=_positive_int, default=1000)
     p.add_argument("--mix", help="POLICY:WEIGHT,... over random, medium, expert, replay, reference "
                    "(default random:0.1,replay:0.3,medium:0.4,expert:0.2)")  # fmt: skip
@@ -226,7 +245,23 @@ def add_data_commands(subparsers: Any) -> argparse.ArgumentParser:
                    help="also write a Minari dataset (default: when minari is installed)")  # fmt: skip
     p.add_argument("--minari-id", help="Minari dataset id (default omni/<out folder name>-v0)")
     p.add_argument("--minari-root", help="Minari datasets folder (default: MINARI_DATASETS_PATH or ~/.minari/datasets)")
+    p.add_argument("--policies", help="expert/medium policies from `omni data train-policy` (default: the built-in "
+                   "ones: CartPole-v1, Pendulum-v1 hand-written; Hopper-v5 trained)")  # fmt: skip
     p.set_defaults(func=_runner("data gym", _gym))
+
+    p = sub.add_parser("train-policy", help="train expert + medium linear behaviour policies with ARS (Box actions)")
+    p.add_argument("--env", required=True, help="Gymnasium env id with a Box action space, e.g. Hopper-v5")
+    p.add_argument("--out", required=True, help="JSON file to write (use with `omni data gym --policies`)")
+    p.add_argument("--iterations", type=_positive_int, default=300)
+    p.add_argument("--directions", type=_positive_int, default=8)
+    p.add_argument("--top", type=_positive_int, default=4)
+    p.add_argument("--step-size", type=float, default=0.01)
+    p.add_argument("--noise", type=float, default=0.025)
+    p.add_argument("--medium-fraction", type=_fraction, default=0.4,
+                   help="medium = the checkpoint nearest this fraction of the expert's return (default 0.4)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quiet", action="store_true")
+    p.set_defaults(func=_runner("data train-policy", _train_policy))
 
     p = sub.add_parser("minari", help="a local Minari dataset -> episode shards")
     _common(p, 500)

@@ -19,18 +19,24 @@ built that way cannot tell return-conditioned policies from cloning (measured on
 scored 100). Here the medium controller disagrees with the expert in a consistent way, so the
 average action of a mixed dataset is not the expert's, as with D4RL's half-trained agents.
 
-Scripted controllers exist for CartPole-v1 (discrete; expert: PD on pole angle and cart position;
+Hand-written controllers exist for CartPole-v1 (discrete; expert: PD on pole angle and cart position;
 medium: the same PD with a constant rightward bias, so the cart drifts off the track after ~200
 steps; epsilon-random actions as noise) and Pendulum-v1 (continuous; expert: energy-shaping
 swing-up and PD balance at the top; medium: pumps the energy slightly above the top's, so the
-pendulum swings over the top forever instead of balancing; Gaussian action noise). Every other
-environment offers only ``random``.
+pendulum swings over the top forever instead of balancing; Gaussian action noise). Hopper-v5
+(MuJoCo) uses *trained* linear policies shipped in ``policy_weights/Hopper-v5.json``: the expert is an
+ARS agent at the end of training, medium the same agent early on at ~40% of its return (see
+omni.data.ars; ``omni data train-policy`` makes such a file for any Box-action env and
+``register_policy_file`` / ``omni data gym --policies FILE`` uses it). Every other environment offers
+only ``random``.
 """
 
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
@@ -99,10 +105,43 @@ _SCRIPTED: dict[str, _Scripted] = {
     "CartPole-v1": _Scripted(cartpole_controller, cartpole_biased_controller, True, 0.02, 1.0),
     "Pendulum-v1": _Scripted(pendulum_controller, pendulum_spinning_controller, False, 0.1, 3.0),
 }
+# Trained (ARS) policies: Gaussian noise 0.1 of the action half-range for expert/medium, like Pendulum;
+# replay's worst episodes act with noise as large as the whole range (the agent falls within ~20 steps).
+_TRAINED_NOISE, _TRAINED_WORST_NOISE = 0.1, 1.0
+POLICY_WEIGHTS_DIR = Path(__file__).with_name("policy_weights")
+_SOURCES: dict[str, dict[str, str]] = {}
+
+
+def register_policy_file(path: str | os.PathLike) -> str:
+    """Use the expert/medium linear policies of a ``omni data train-policy`` file for its env (replacing
+    any registered before); returns the env id."""
+    from omni.data.ars import load_policies
+
+    import hashlib
+
+    env_id, policies = load_policies(path)
+    _SCRIPTED[env_id] = _Scripted(policies["expert"], policies["medium"], False, _TRAINED_NOISE,
+                                  _TRAINED_WORST_NOISE)
+    _SOURCES[env_id] = {"file": str(Path(path).resolve()),
+                        "sha256": hashlib.sha256(Path(path).read_bytes()).hexdigest()}
+    return env_id
+
+
+def policy_source(env_id: str) -> dict[str, str] | None:
+    """``{file, sha256}`` of the trained-policy file ``env_id`` uses; None for hand-written or random."""
+    return _SOURCES.get(env_id)
+
+
+def _shipped() -> None:
+    for file in sorted(POLICY_WEIGHTS_DIR.glob("*.json")):
+        register_policy_file(file)
+
+
+_shipped()
 
 
 def scripted_envs() -> tuple[str, ...]:
-    """Environments with scripted (non-random) policies."""
+    """Environments with non-random behaviour policies (hand-written or trained)."""
     return tuple(_SCRIPTED)
 
 
@@ -158,8 +197,8 @@ def make_policy(env_id: str, name: str, action_space: Any, rng: np.random.Genera
     spec = _SCRIPTED.get(env_id)
     if spec is None:
         raise ValueError(
-            f"no scripted {name!r} policy for {env_id!r}: only 'random' is available there "
-            f"(scripted policies exist for {', '.join(_SCRIPTED)})"
+            f"no {name!r} behaviour policy for {env_id!r}: only 'random' is available there "
+            f"(behaviour policies exist for {', '.join(_SCRIPTED)}; train one with `omni data train-policy`)"
         )
     if name == "reference":
         return _noisy(spec, spec.expert, action_space, 0.0)
