@@ -558,12 +558,13 @@ def make_envs(env_id: str, n: int) -> list[Any]:
 def reference_returns(manifest: Mapping[str, Any], episodes: Sequence[Mapping[str, Any]]
                       ) -> tuple[tuple[float, float], str]:
     """((random, expert) returns for the normalised score, where they come from): the manifest's
-    (``omni data gym`` measures them with a random policy and the noise-free scripted expert; Minari
-    ports carry ref_min/max_score), else the dataset's min / max episode return, with a warning."""
+    (``omni data gym`` measures them with a random policy and the noise-free expert policy, scripted or
+    trained; Minari ports carry ref_min/max_score), else the dataset's min / max episode return, with a
+    warning."""
     refs = manifest.get("reference_returns") or {}
     lo, hi = refs.get("random"), refs.get("expert")
     if lo is not None and hi is not None:
-        return (float(lo), float(hi)), "manifest (random policy / noise-free scripted expert)"
+        return (float(lo), float(hi)), "manifest (random policy / noise-free expert policy)"
     import warnings
 
     warnings.warn("dataset has no random/expert reference returns: using the dataset's min/max episode return")
