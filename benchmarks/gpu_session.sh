@@ -42,7 +42,7 @@ packing)
     ;;
 vit)
     run python benchmarks/cuda_checks.py
-    run python benchmarks/vit_throughput.py --only omni --sdpa cudnn,flash,efficient
+    run python benchmarks/vit_throughput.py --only omni --sdpa cudnn,flash,efficient --profile
     run python benchmarks/vit_throughput.py --only omni,timm --modes compile
     ;;
 pendulum)

@@ -1,6 +1,6 @@
 """ViT-B/16 training/inference throughput: omni vs timm vs torchvision, side by side in one process.
 
-  python benchmarks/vit_throughput.py [--batch 256] [--steps 15] [--only omni,timm,torchvision]
+  python benchmarks/vit_throughput.py [--batch 256] [--steps 15] [--only omni,timm,torchvision] [--profile]
 
 Random data, 224px, 1000 classes, bf16 autocast, fused AdamW, step = forward + backward + optimizer;
 median step time after warm-up. MFU against a measured bf16 matmul peak (8192^3 GEMM).
@@ -68,7 +68,7 @@ def matmul_peak() -> float:
     return 2 * 8192**3 * 20 / (time.perf_counter() - t) / 1e12
 
 
-def bench(name: str, mode: str, batch: int, steps: int) -> tuple[float, float]:
+def bench(name: str, mode: str, batch: int, steps: int, profile: bool = False) -> tuple[float, float]:
     torch.manual_seed(0)
     model = build(name).cuda()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
@@ -105,6 +105,10 @@ def bench(name: str, mode: str, batch: int, steps: int) -> tuple[float, float]:
             torch.cuda.synchronize()
             times.append(time.perf_counter() - t)
         out.append(batch / statistics.median(times))
+    if profile:
+        from _profile import kernel_breakdown
+
+        print(f"\n#### {name} {mode}: where a training step's time goes\n\n{kernel_breakdown(train_step)}\n", flush=True)
     del model, opt, fwd
     torch.cuda.empty_cache()
     torch._dynamo.reset()
@@ -118,6 +122,7 @@ def main() -> None:
     ap.add_argument("--only", default="omni,timm,torchvision")
     ap.add_argument("--modes", default="eager,compile")
     ap.add_argument("--sdpa", default="default", help="default, or a priority list e.g. cudnn,flash,efficient")
+    ap.add_argument("--profile", action="store_true", help="after timing, a kernel-time breakdown of the train step")
     args = ap.parse_args()
     if args.sdpa != "default":
         from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -131,7 +136,7 @@ def main() -> None:
     print("| model | mode | train img/s | MFU | inference img/s |\n|---|---|---|---|---|")
     for name in args.only.split(","):
         for mode in args.modes.split(","):
-            train, infer = bench(name, mode, args.batch, args.steps)
+            train, infer = bench(name, mode, args.batch, args.steps, args.profile)
             mfu = train * 3 * VIT_B16_GFLOP_FWD * 1e9 / (peak * 1e12)
             print(f"| {name} | {mode} (sdpa {args.sdpa}) | {train:,.0f} | {mfu:.1%} | {infer:,.0f} |", flush=True)
 

@@ -2,6 +2,7 @@
 
     python recipes/decision_transformer.py --env CartPole-v1             # builds data/gym-CartPole-v1 if missing
     python recipes/decision_transformer.py --env Pendulum-v1 --preset dt-large
+    python recipes/decision_transformer.py --env Hopper-v5               # MuJoCo; behaviour = shipped ARS agents
     python recipes/decision_transformer.py --preset tiny                 # CPU smoke run
     python recipes/decision_transformer.py --data data/my-minari --env Hopper-v5 --set methods=['dt']
 
@@ -49,6 +50,7 @@ from omni.trunk import preset
 COMMON = dict(
     env="CartPole-v1", data=None,  # None: data/gym-<env>, built with `omni data gym` settings below
     episodes=1000, mix=None, data_seed=0, out=None,
+    policies=None,  # an `omni data train-policy` file for envs without built-in behaviour policies
     methods=["dt", "bc", "fbc"], fbc_fraction=0.1,
     trunk="dt", trunk_overrides={}, positions="none",  # official DT: no token positions, a timestep embedding
     dropout=0.1, context=20, rtg_scale=None, short="pad",
@@ -96,7 +98,7 @@ def load_data(cfg: dict) -> tuple[dict, list[dict]]:
 
         print(f"building {cfg['episodes']} {cfg['env']} episodes in {data} ...", flush=True)
         build_gym(data, env=cfg["env"], episodes=cfg["episodes"], mix=cfg["mix"], seed=cfg["data_seed"],
-                  minari=False, quiet=not cfg["progress"])
+                  policies=cfg["policies"], minari=False, quiet=not cfg["progress"])
     manifest = read_manifest(data)
     if manifest.get("env_id") and manifest["env_id"] != cfg["env"]:
         raise ValueError(f"{data} holds {manifest['env_id']} episodes but --env is {cfg['env']}")
