@@ -81,7 +81,9 @@ one task (``only`` drops every other task: its data, embedders and heads):
     python recipes/multimodal.py --preset small --out runs/mm-rl    --set "only='rl'"
     python recipes/multimodal.py --preset small --out runs/mm-text  --set "only='text'"
 
-Each single-task run above spends as much compute (trunk tokens) as the whole joint run. To split the joint
+On a CPU, ``--preset cpu`` (image, rl and text on a width-128 trunk, 1,200 steps of 2 x 1024 tokens) runs
+the same comparison in minutes per run. Each single-task run above spends as much compute (trunk tokens) as
+the whole joint run. To split the joint
 run's compute instead (the four single runs together = one joint run), give each its share of the steps from
 the joint run's realised token shares (``train/<task>/token_share`` in runs/mm-all/metrics.json), e.g.
 ``--set "only='asr'" steps=4000`` for a 0.40 share of 10000 steps. Compare <out>/results.json of each run.
@@ -149,6 +151,14 @@ PRESETS: dict[str, dict[str, Any]] = {
                         "text": dict(TASKS["text"], max_tokens=96, limit=3000)},
                  batches_per_epoch=100, steps=60, lr=3e-3, warmup_steps=5, workers=0, eval_every=0, eval_batches=4,
                  checkpoint_every=0, log_every=10),
+    # Equal-compute comparison that fits a 2-core CPU (image, rl, text; speech does not train to a usable
+    # CER at this budget): a width-128 trunk, 2 rows of 1024 tokens, 1,200 steps, task metrics at the end.
+    "cpu": dict(out="runs/multimodal-cpu", cache="data/multimodal-cpu", trunk="tiny",
+                trunk_overrides=dict(d_model=128, n_layers=4, n_heads=4), row_length=1024, rows=2,
+                tasks={"image": dict(TASKS["image"], patch=7), "rl": dict(TASKS["rl"]),
+                       "text": dict(TASKS["text"], max_tokens=128)},
+                batches_per_epoch=500, steps=1200, lr=2e-3, warmup_steps=100, workers=0, eval_every=0,
+                eval_batches=8, checkpoint_every=0, log_every=100, eval_tasks="end"),
     # One GPU, small trunk: quick quality checks against the single-task recipes.
     "small": dict(trunk="S", trunk_overrides=dict(d_model=256, n_layers=8, n_heads=8), row_length=2048, rows=8,
                   steps=10000, lr=1e-3, warmup_steps=500, compile=True),
