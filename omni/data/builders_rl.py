@@ -247,12 +247,7 @@ def build_gym(
     action_space, observation_space = probe.action_space, probe.observation_space
     probe.close()
     if policies is not None:
-        from omni.data.ars import load_policies
-
-        file_env = load_policies(policies)[0]
-        if file_env != env:
-            raise ValueError(f"{policies}: policies for {file_env!r}, but the env is {env!r}")
-        register_policy_file(policies)
+        register_policy_file(policies, env=env)
     if mix is None:
         mix = DEFAULT_MIX if "expert" in available_policies(env) else "random:1"
     weights = parse_mix(mix, env)

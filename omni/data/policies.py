@@ -33,6 +33,7 @@ only ``random``.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 from dataclasses import dataclass
@@ -112,14 +113,15 @@ POLICY_WEIGHTS_DIR = Path(__file__).with_name("policy_weights")
 _SOURCES: dict[str, dict[str, str]] = {}
 
 
-def register_policy_file(path: str | os.PathLike) -> str:
+def register_policy_file(path: str | os.PathLike, env: str | None = None) -> str:
     """Use the expert/medium linear policies of a ``omni data train-policy`` file for its env (replacing
-    any registered before); returns the env id."""
+    any registered before); returns the env id. With ``env``, a file for another env is refused (and
+    nothing is registered)."""
     from omni.data.ars import load_policies
 
-    import hashlib
-
     env_id, policies = load_policies(path)
+    if env is not None and env_id != env:
+        raise ValueError(f"{path}: policies for {env_id!r}, but the env is {env!r}")
     _SCRIPTED[env_id] = _Scripted(policies["expert"], policies["medium"], False, _TRAINED_NOISE,
                                   _TRAINED_WORST_NOISE)
     _SOURCES[env_id] = {"file": str(Path(path).resolve()),
