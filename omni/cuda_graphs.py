@@ -97,7 +97,7 @@ class GraphedTrainStep:
     optimizer: Adam / AdamW with tensor LRs (see ``make_adamw`` and the module docstring).
     example: one batch (tuple of tensors) fixing the shapes and dtypes of every later batch; its values
         are used by the warm-up steps only (which are undone).
-    clip_norm: max total gradient norm (``clip_grad_norm_``), or None for no clipping.
+    clip_norm: max total gradient norm over ``model.parameters()`` (``clip_grad_norm_``), or None for no clipping.
     autocast_dtype: e.g. ``torch.bfloat16`` to run ``loss_fn`` under autocast; None for none.
     warmup: eager steps before capture (>= 1; the PyTorch notes use 3, 11 under DDP).
     use_graph: None = capture when the model is on CUDA; False forces the eager path (debugging).
@@ -122,6 +122,9 @@ class GraphedTrainStep:
         self.model, self.loss_fn, self.optimizer = model, loss_fn, optimizer
         self.clip_norm, self.autocast_dtype = clip_norm, autocast_dtype
         self.params = [p for g in optimizer.param_groups for p in g["params"]]
+        # clipped in the model's own order, as clip_grad_norm_(model.parameters()) does: the same norm to the
+        # last bit as an eager loop's (the optimizer's groups may list the parameters in another order)
+        self.clip_params = list(model.parameters())
         if not isinstance(example, (tuple, list)) or not example:
             raise ValueError("example must be a non-empty tuple of tensors (one batch)")
         for i, x in enumerate(example):
@@ -207,7 +210,7 @@ class GraphedTrainStep:
         loss.backward()
         norm = None
         if self.clip_norm is not None:
-            norm = clip_grad_norm_(self.params, self.clip_norm, error_if_nonfinite=False)
+            norm = clip_grad_norm_(self.clip_params, self.clip_norm, error_if_nonfinite=False)
         self.optimizer.step()
         return loss.detach(), norm
 

@@ -49,6 +49,7 @@ from omni.tokenizers.text import IGNORE_INDEX, TextTokenizer
 from omni.trunk import KVCache, Trunk, TrunkConfig
 
 TASK = "transcribe"
+CTC_BLANK = 256  # CTC labels are bytes 0..255 of the normalised transcript; 256 is the blank
 SILENCE_PEAK = 1e-4  # |sample| peak below this (-80 dBFS) = a silent file: nothing to transcribe
 
 
@@ -58,10 +59,18 @@ SILENCE_PEAK = 1e-4  # |sample| peak below this (-80 dBFS) = a silent file: noth
 
 class SpeechRecognizer(nn.Module):
     """Encoder-decoder ASR: audio embedder -> encoder Trunk; text embedder -> decoder Trunk
-    (cross-attention over the encoder output) -> LM head tied to the text embedding."""
+    (cross-attention over the encoder output) -> LM head tied to the text embedding.
+
+    ``ctc=True`` adds a CTC head on the encoder output, trained jointly with the decoder
+    (``SpeechLoss(ctc_weight=...)``), as in hybrid CTC/attention ASR: the CTC loss makes the encoder states line
+    up with the transcript from the first steps, which the decoder's cross-attention then only has to read.
+    Trained from scratch on small corpora, the attention decoder alone first learns the transcripts' language
+    and finds the alignment late (or not at all). The CTC labels are the UTF-8 bytes of the normalised
+    transcript (``normalize_text``; ``CTC_BLANK`` = 256 is the blank), so the head is 257 wide whatever the
+    BPE vocabulary: at 50 audio tokens/s a BPE-wide head would cost more than the encoder's MLPs."""
 
     def __init__(self, audio: AudioTokenizer, text: TextTokenizer, encoder: TrunkConfig,
-                 decoder: TrunkConfig) -> None:
+                 decoder: TrunkConfig, ctc: bool = False) -> None:
         super().__init__()
         if encoder.d_model != decoder.d_model:
             raise ValueError(f"encoder width {encoder.d_model} != decoder width {decoder.d_model}: "
@@ -76,6 +85,7 @@ class SpeechRecognizer(nn.Module):
         self.text_embed = text.embedder(d)
         self.decoder = Trunk(decoder)
         self.head = LMHead(d, text.vocab_size, tie_to=self.text_embed.token)
+        self.ctc_head = nn.Linear(d, CTC_BLANK + 1) if ctc else None  # bytes 0..255 + blank
         self.vocab_size = text.vocab_size
         self.bos_id, self.eos_id, self.pad_id = text.bos_id, text.eos_id, text.pad_id
         self.task_id = text.token_id(TASK)
@@ -99,16 +109,23 @@ class SpeechRecognizer(nn.Module):
         return self.decoder(self.text_embed(text), None, "causal" if cache is None else None,
                             memory=memory, memory_mask=audio_mask, cache=cache, cache_position=cache_position)
 
-    def forward(self, audio: Tensor, audio_mask: Tensor | None, text: Tensor) -> Tensor:
-        """Teacher forcing: logits (B, T, vocab) for every text position."""
+    def forward(self, audio: Tensor, audio_mask: Tensor | None, text: Tensor,
+                ctc: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+        """Teacher forcing: logits (B, T, vocab) for every text position; with ``ctc=True`` also the CTC
+        head's logits (B, S, 257) over the audio tokens (one forward, so DDP/compile see one call)."""
         memory = self.encode(audio, audio_mask)
-        return self.head(self.decode_hidden(text, memory, audio_mask))
+        logits = self.head(self.decode_hidden(text, memory, audio_mask))
+        if not ctc:
+            return logits
+        if self.ctc_head is None:
+            raise ValueError("this SpeechRecognizer has no CTC head: build it with ctc=True")
+        return logits, self.ctc_head(memory)
 
 
 def build_speech_recognizer(config: dict[str, Any], tokenizers: dict[str, Any]) -> SpeechRecognizer:
     """Export builder (config.json "builder": "omni.speech:build_speech_recognizer")."""
     return SpeechRecognizer(tokenizers["audio"], tokenizers["text"], TrunkConfig(**config["encoder"]),
-                            TrunkConfig(**config["decoder"]))
+                            TrunkConfig(**config["decoder"]), ctc=bool(config.get("ctc", False)))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -118,17 +135,21 @@ def build_speech_recognizer(config: dict[str, Any], tokenizers: dict[str, Any]) 
 @dataclass
 class SpeechBatch:
     """A padded batch: audio (B, S, F) float, audio_mask (B, S) bool, text (B, T) int64 decoder input,
-    targets (B, T) int64 next-token ids with -100 where nothing is predicted, keys (B sample names)."""
+    targets (B, T) int64 next-token ids with -100 where nothing is predicted, keys (B sample names), and
+    the CTC labels: ctc_labels (B, L) int64 bytes of each normalised transcript (0-padded), ctc_lengths (B,)."""
 
     audio: Tensor
     audio_mask: Tensor
     text: Tensor
     targets: Tensor
     keys: list[str]
+    ctc_labels: Tensor | None = None
+    ctc_lengths: Tensor | None = None
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> "SpeechBatch":
-        move = lambda t: t.to(device, non_blocking=non_blocking)  # noqa: E731
-        return SpeechBatch(move(self.audio), move(self.audio_mask), move(self.text), move(self.targets), self.keys)
+        move = lambda t: None if t is None else t.to(device, non_blocking=non_blocking)  # noqa: E731
+        return SpeechBatch(move(self.audio), move(self.audio_mask), move(self.text), move(self.targets), self.keys,
+                           move(self.ctc_labels), move(self.ctc_lengths))
 
     @property
     def num_documents(self) -> int:  # Trainer sample count
@@ -157,7 +178,8 @@ def pad_audio(items: Sequence[Tensor], pad_multiple: int = 8) -> tuple[Tensor, T
 
 
 class SpeechCollate:
-    """List of ``{"audio": (n, F), "text": (m,), "targets": (m,), "key"}`` -> SpeechBatch (picklable)."""
+    """List of ``{"audio": (n, F), "text": (m,), "targets": (m,), "key"[, "ctc": (k,)]}`` -> SpeechBatch
+    (picklable); CTC labels are batched when every item has them."""
 
     def __init__(self, pad_id: int, pad_multiple: int = 8) -> None:
         self.pad_id, self.pad_multiple = pad_id, pad_multiple
@@ -170,24 +192,74 @@ class SpeechCollate:
         for i, it in enumerate(items):
             text[i, :it["text"].shape[0]] = it["text"]
             targets[i, :it["targets"].shape[0]] = it["targets"]
-        return SpeechBatch(audio, mask, text, targets, [str(it["key"]) for it in items])
+        labels = lengths = None
+        if all("ctc" in it for it in items):
+            lengths = torch.tensor([it["ctc"].shape[0] for it in items], dtype=torch.int64)
+            labels = torch.zeros(len(items), max(int(lengths.max()), 1), dtype=torch.int64)
+            for i, it in enumerate(items):
+                labels[i, :it["ctc"].shape[0]] = it["ctc"]
+        return SpeechBatch(audio, mask, text, targets, [str(it["key"]) for it in items], labels, lengths)
 
 
 def speech_example(audio_tok: AudioTokenizer, text_tok: TextTokenizer, audio: Any, transcript: str,
                    key: str = "") -> dict[str, Any]:
-    """One (audio, transcript) pair -> the dict SpeechCollate batches."""
+    """One (audio, transcript) pair -> the dict SpeechCollate batches (CTC labels included)."""
     seg = audio_tok.encode(audio, key=key)
     txt = text_tok.encode(transcript, key=key, task=TASK)
-    return {"audio": seg.tokens, "text": txt.tokens, "targets": txt.targets, "key": key}
+    return {"audio": seg.tokens, "text": txt.tokens, "targets": txt.targets, "key": key,
+            "ctc": ctc_labels(transcript)}
 
 
-def speech_loss(model: nn.Module, batch: SpeechBatch) -> tuple[Tensor, dict[str, Tensor]]:
-    """Mean next-token cross-entropy over real target positions, and token accuracy."""
-    logits = model(batch.audio, batch.audio_mask, batch.text)
-    keep = batch.targets != IGNORE_INDEX
-    loss = F.cross_entropy(logits[keep].float(), batch.targets[keep])
-    acc = (logits[keep].argmax(-1) == batch.targets[keep]).float().mean()
-    return loss, {"token_accuracy": acc}
+def ctc_labels(transcript: str) -> Tensor:
+    """The CTC targets of a transcript: the UTF-8 bytes of ``normalize_text(transcript)`` (int64)."""
+    return torch.tensor(list(normalize_text(transcript).encode("utf-8")), dtype=torch.int64)
+
+
+def ctc_greedy_decode(ctc_logits: Tensor, audio_mask: Tensor | None = None) -> list[str]:
+    """Best-path CTC decoding of (B, S, 257) logits: argmax per audio token, repeats merged, blanks dropped,
+    bytes decoded as UTF-8 (invalid sequences replaced). A quick read of what the encoder alone hears."""
+    best = ctc_logits.argmax(-1).tolist()
+    lengths = [len(row) for row in best] if audio_mask is None else audio_mask.sum(1).tolist()
+    out = []
+    for row, n in zip(best, lengths):
+        kept = [c for i, c in enumerate(row[:n]) if c != CTC_BLANK and (i == 0 or c != row[i - 1])]
+        out.append(bytes(kept).decode("utf-8", errors="replace"))
+    return out
+
+
+@dataclass(frozen=True)
+class SpeechLoss:
+    """Next-token cross-entropy over real target positions (+ ``ctc_weight`` x CTC loss of the encoder's CTC
+    head, hybrid CTC/attention training) -> (loss, {"token_accuracy", and "ctc_loss" when used}).
+
+    The CTC term reads the batch's byte labels (``SpeechCollate`` of ``speech_example`` items): the per-row
+    loss divided by the label length, averaged over rows (``F.ctc_loss`` reduction "mean"); rows whose
+    transcript cannot be aligned to their audio (more labels than audio tokens) would be infinite and are
+    zeroed (``zero_infinity``), so they only train the decoder."""
+
+    ctc_weight: float = 0.0
+
+    def __call__(self, model: nn.Module, batch: SpeechBatch) -> tuple[Tensor, dict[str, Tensor]]:
+        keep = batch.targets != IGNORE_INDEX
+        if self.ctc_weight == 0:
+            logits = model(batch.audio, batch.audio_mask, batch.text)
+        else:
+            logits, ctc_logits = model(batch.audio, batch.audio_mask, batch.text, ctc=True)
+        loss = F.cross_entropy(logits[keep].float(), batch.targets[keep])
+        metrics = {"token_accuracy": (logits[keep].argmax(-1) == batch.targets[keep]).float().mean()}
+        if self.ctc_weight == 0:
+            return loss, metrics
+        if batch.ctc_labels is None or batch.ctc_lengths is None:
+            raise ValueError("SpeechLoss(ctc_weight > 0) needs CTC labels in the batch: build the items with "
+                             "speech_example (or add 'ctc': ctc_labels(transcript)) and batch with SpeechCollate")
+        log_probs = ctc_logits.float().log_softmax(-1).transpose(0, 1)  # (S, B, 257)
+        ctc = F.ctc_loss(log_probs, batch.ctc_labels, batch.audio_mask.sum(1), batch.ctc_lengths,
+                         blank=CTC_BLANK, reduction="mean", zero_infinity=True)
+        metrics["ctc_loss"] = ctc.detach()
+        return (1 - self.ctc_weight) * loss + self.ctc_weight * ctc, metrics
+
+
+speech_loss = SpeechLoss()  # decoder cross-entropy only (the loss of every model without a CTC head)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -768,8 +840,8 @@ def error_rates(references: Sequence[str], hypotheses: Sequence[str]) -> dict[st
 
 
 __all__ = [
-    "GraphedGreedyDecoder", "SpeechBatch", "SpeechCollate", "SpeechRecognizer", "beam_search",
-    "build_speech_recognizer", "edit_distance", "error_counts", "error_rates", "greedy_decode", "load_recognizer",
-    "normalize_text", "pad_audio", "read_audio_file", "speech_example", "speech_loss", "split_windows",
-    "transcribe_batch", "transcribe_files", "transcribe_waveforms",
+    "CTC_BLANK", "GraphedGreedyDecoder", "SpeechBatch", "SpeechCollate", "SpeechLoss", "SpeechRecognizer",
+    "beam_search", "build_speech_recognizer", "ctc_greedy_decode", "ctc_labels", "edit_distance", "error_counts",
+    "error_rates", "greedy_decode", "load_recognizer", "normalize_text", "pad_audio", "read_audio_file",
+    "speech_example", "speech_loss", "split_windows", "transcribe_batch", "transcribe_files", "transcribe_waveforms",
 ]

@@ -104,6 +104,12 @@ class TrainConfig:
     mixed_precision: str = "auto"  # auto | no | bf16 | fp16; auto = the launcher's bf16/fp16 if it asks for
     # one, else bf16 on a CUDA GPU that has it, else no (CPU autocast is slow; force "bf16" if wanted)
     compile: bool = False  # torch.compile the model (inductor)
+    # Replay the whole step (forward, backward, clipping, AdamW) as ONE captured CUDA graph
+    # (omni.cuda_graphs.GraphedTrainStep): the lever for small, launch-bound models on one GPU. Needs every
+    # batch of the first batch's structure and shapes, grad_accum 1, one process and no fp16; the loss sees
+    # the batch's tensors only (other leaves, e.g. sample keys, read as None). On CPU the same step runs
+    # eagerly (identical results), so it is testable anywhere.
+    cuda_graph: bool = False
     find_unused_parameters: bool = False  # DDP: set when some batches leave parameters unused
     eval_every: int = 0  # steps; 0 = only at the end (when eval data or a model_metrics_fn is given)
     checkpoint_every: int = 0  # steps; 0 = no checkpoints
@@ -127,6 +133,9 @@ class TrainConfig:
             raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         if self.mixed_precision not in ("auto", "no", "bf16", "fp16"):
             raise ValueError(f"mixed_precision must be auto, no, bf16 or fp16, got {self.mixed_precision!r}")
+        if self.cuda_graph and (self.grad_accum != 1 or self.mixed_precision == "fp16"):
+            raise ValueError("cuda_graph needs grad_accum 1 and no fp16 (the loss scaler skips steps on the host), "
+                             f"got grad_accum {self.grad_accum}, mixed_precision {self.mixed_precision!r}")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -539,6 +548,10 @@ class Trainer:
         handlers = list(kwargs.pop("kwargs_handlers", []))
         if config.find_unused_parameters:
             handlers.append(DistributedDataParallelKwargs(find_unused_parameters=True))
+        if config.cuda_graph:  # the CUDA-graphs notes' rule: no autocast weight-cast cache under capture
+            from accelerate.utils import AutocastKwargs
+
+            handlers.append(AutocastKwargs(cache_enabled=False))
         # Scheduler stepped once per optimizer step, by us (Accelerate's default steps it
         # num_processes times per step); accumulation is ours too (grad_accum micro-batches per step).
         if use_cpu():
@@ -550,6 +563,8 @@ class Trainer:
         if parse_flag_from_env("ACCELERATE_USE_FSDP") and acc.distributed_type == DistributedType.MULTI_CPU:
             _fsdp_on_cpu(acc, kwargs.get("fsdp_plugin"))
         set_seed(config.seed, device_specific=True)  # per-rank streams (dropout differs across ranks)
+        if config.cuda_graph and acc.num_processes > 1:
+            raise ValueError(f"cuda_graph trains on one process; this run has {acc.num_processes}")
 
         groups = param_groups(model) if param_groups is not None else default_param_groups(model, config.weight_decay)
         fused = acc.device.type == "cuda"
@@ -577,6 +592,9 @@ class Trainer:
                                    seed=1_000_003 * (config.seed + 1) + acc.process_index)
         self.step = 0
         self._metric_names: list[str] | None = None
+        self._graph: Any = None  # cuda_graph: the GraphedTrainStep, built on the first step (after resume)
+        self._graph_layout: tuple[Any, list[bool]] | None = None  # the captured batch's pytree spec, tensor leaves
+        self._graph_metrics: dict[str, Tensor] = {}
 
     # -- setup helpers -------------------------------------------------------------------------------
     def _should_prepare(self, data: Any) -> bool:
@@ -689,6 +707,8 @@ class Trainer:
                                   for k, v in metrics.items()}
 
     def _train_step(self) -> dict[str, float]:
+        if self.config.cuda_graph:
+            return self._graph_train_step()
         acc, cfg = self.accelerator, self.config
         step = self.step + 1  # the step being computed (1-based: step-000003 holds the state after it)
         dev = acc.device
@@ -749,7 +769,81 @@ class Trainer:
         out.update({name: values[1 + i] / n_micro for i, name in enumerate(self._metric_names)})
         return out
 
-    def _raise_non_finite(self, step: int, what: str, local: list[tuple]) -> None:
+    def _graph_train_step(self) -> dict[str, float]:
+        """``_train_step`` with config.cuda_graph: one replay of the captured step, then the same logging
+        values and non-finite checks (after the fact: the optimizer step is part of the graph)."""
+        from torch.utils._pytree import tree_flatten
+
+        acc, step = self.accelerator, self.step + 1
+        batch, epoch, index = self._stream.next()
+        where = [(epoch, index, batch_keys(batch))]
+        samples, n_tok = _count_samples(batch), _count_tokens(batch)
+        if not self._train_prepared:
+            from accelerate.utils import send_to_device
+
+            batch = send_to_device(batch, acc.device, non_blocking=True)
+        leaves, spec = tree_flatten(batch)
+        is_tensor = [isinstance(x, Tensor) for x in leaves]
+        if self._graph is None:
+            self._build_graph(leaves, spec, is_tensor)
+        elif (spec, is_tensor) != self._graph_layout:
+            raise ValueError(f"cuda_graph: batch {index} of epoch {epoch} is structured differently from the "
+                             f"captured first batch ({spec} vs {self._graph_layout[0]}); a CUDA graph replays one "
+                             "fixed batch layout")
+        lr = float(self.scheduler.get_last_lr()[0])
+        try:
+            loss = self._graph(*[x for x in leaves if isinstance(x, Tensor)])
+        except ValueError as exc:  # a shape or dtype that differs from the captured batch
+            raise ValueError(f"cuda_graph: batch {index} of epoch {epoch}: {exc}") from exc
+        self.scheduler.step()
+        names = self._metric_names or []
+        tokens = n_tok.to(acc.device).float() if n_tok is not None else torch.zeros((), device=acc.device)
+        values = torch.stack([loss.float(), *[self._graph_metrics[k] for k in names], tokens,
+                              self._graph.grad_norm.float()]).tolist()
+        if not math.isfinite(values[0]):
+            self._raise_non_finite(step, "loss", [(0, *where[0])], step_taken=True)
+        if not math.isfinite(values[-1]):
+            self._raise_non_finite(step, "gradient norm", [(0, *where[0])], step_taken=True)
+        out = {"loss": values[0], "lr": lr, "grad_norm": values[-1], "tokens": values[-2], "samples": samples}
+        out.update({name: values[1 + i] for i, name in enumerate(names)})
+        return out
+
+    def _build_graph(self, leaves: list[Any], spec: Any, is_tensor: list[bool]) -> None:
+        """Capture the step on the first batch (after any resume, so it reads the restored optimizer state).
+        The optimizer becomes what capture needs: a tensor LR per group on the device (the scheduler fills
+        it in place; float64 on CPU keeps results bit-identical to a float LR), fused + capturable on CUDA."""
+        from torch.utils._pytree import tree_unflatten
+
+        from omni.cuda_graphs import GraphedTrainStep
+
+        acc, cfg = self.accelerator, self.config
+        dev = acc.device
+        cuda = dev.type == "cuda"
+        opt = getattr(self.optimizer, "optimizer", self.optimizer)  # the torch optimizer inside Accelerate's
+        for group in opt.param_groups:
+            group["lr"] = torch.tensor(float(group["lr"]), dtype=torch.float32 if cuda else torch.float64,
+                                       device=dev)
+            if cuda:
+                group["fused"], group["capturable"] = True, True
+        if cuda:
+            for state in opt.state.values():
+                if "step" in state:
+                    state["step"] = state["step"].to(device=dev, dtype=torch.float32)
+
+        def loss_of_tensors(model: nn.Module, *tensors: Tensor) -> Tensor:
+            it = iter(tensors)
+            batch = tree_unflatten([next(it) if t else None for t in is_tensor], spec)
+            loss, metrics = self._loss(batch)
+            self._graph_metrics = metrics  # the captured call's outputs: every replay overwrites them
+            return loss
+
+        clip = cfg.clip_norm if cfg.clip_norm and cfg.clip_norm > 0 else float("inf")  # inf: norm logged only
+        self._graph = GraphedTrainStep(self.model, loss_of_tensors, opt,
+                                       [x for x in leaves if isinstance(x, Tensor)], clip_norm=clip)
+        self._graph_layout = (spec, is_tensor)
+        self._metric_names = sorted(self._graph_metrics)
+
+    def _raise_non_finite(self, step: int, what: str, local: list[tuple], step_taken: bool = False) -> None:
         """Collective: every rank gathers every rank's culprits and raises the same error."""
         from accelerate.utils import gather_object
 
@@ -764,9 +858,11 @@ class Trainer:
         lines = [f"  rank {r} micro-batch {m} (epoch {e}, batch {i} of the epoch): keys {show(keys)}"
                  for r, m, e, i, keys in culprits]
         last = latest_checkpoint(self.output_dir)
+        taken = ("the optimizer step was already taken inside the CUDA graph (cuda_graph), so the weights in "
+                 "memory are unusable" if step_taken else "the optimizer step was not taken")
         raise NonFiniteLossError(
-            f"non-finite {what} at step {step}; the optimizer step was not taken and nothing was saved "
-            f"for this step (last complete checkpoint: {last if last else 'none'}). Batches:\n" + "\n".join(lines))
+            f"non-finite {what} at step {step}; {taken} and nothing was saved for this step (last complete "
+            f"checkpoint: {last if last else 'none'}). Batches:\n" + "\n".join(lines))
 
     # -- evaluation ----------------------------------------------------------------------------------
     @property

@@ -55,7 +55,8 @@ COMMON = dict(
     trunk="dt", trunk_overrides={}, positions="none",  # official DT: no token positions, a timestep embedding
     dropout=0.1, context=20, rtg_scale=None, short="pad",
     batch_size=64, steps=10_000, lr=1e-4, min_lr_ratio=0.1, warmup_steps=1000, weight_decay=1e-4, clip_norm=0.25,
-    compile=False, train_seeds=[0], eval_seeds=5, target_fractions=[1.0, 0.75, 0.5],  # of (expert - random)
+    compile=False, cuda_graph=False,  # cuda_graph: the whole step as one CUDA graph (one GPU; the DT is launch-bound)
+    train_seeds=[0], eval_seeds=5, target_fractions=[1.0, 0.75, 0.5],  # of (expert - random)
     targets=None,  # explicit target returns (overrides target_fractions)
     eval_cache=True, progress=True, log_every=100,
 )
@@ -123,8 +124,8 @@ def train_one(cfg: dict, tok, episodes: list[dict], method: str, seed: int, devi
     out = Path(cfg["out"]) / f"{method}-seed{seed}"
     config = TrainConfig(output_dir=str(out), steps=cfg["steps"], lr=cfg["lr"], min_lr_ratio=cfg["min_lr_ratio"],
                          warmup_steps=min(cfg["warmup_steps"], cfg["steps"]), weight_decay=cfg["weight_decay"],
-                         clip_norm=cfg["clip_norm"], compile=cfg["compile"], seed=seed, run_name=f"{method}-{seed}",
-                         progress=cfg["progress"], log_every=cfg["log_every"], report_to="none")
+                         clip_norm=cfg["clip_norm"], compile=cfg["compile"], cuda_graph=cfg["cuda_graph"], seed=seed,
+                         run_name=f"{method}-{seed}", progress=cfg["progress"], log_every=cfg["log_every"], report_to="none")
     export = {"builder": "omni.rl:build_decision_transformer", "trunk": trunk.to_dict(), "use_returns": use_returns,
               "env_id": cfg["env"], "method": method}
     trainer = Trainer(model, loss_fn, loader, config, hparams=cfg, export_config=export,

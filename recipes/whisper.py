@@ -34,8 +34,8 @@ import torch
 from omni.config import recipe_config, recipe_parser
 from omni.data.reader import ShardLoader
 from omni.data.shards import read_manifest
-from omni.speech import (SpeechCollate, SpeechRecognizer, error_counts, greedy_decode, speech_example,
-                         speech_loss)
+from omni.speech import (SpeechCollate, SpeechLoss, SpeechRecognizer, error_counts, greedy_decode,
+                         speech_example)
 from omni.tokenizers.audio import AudioTokenizer
 from omni.tokenizers.text import TextTokenizer
 from omni.train import TrainConfig, Trainer, process_state, unwrap
@@ -47,6 +47,7 @@ from omni.trunk import preset
 COMMON = dict(
     data="data/speech-synth", build=dict(train=20000, test=500), out="runs/whisper",
     trunk="whisper-base", trunk_overrides={}, bpe_vocab=None, max_seconds=30.0,
+    ctc_weight=0.3,  # hybrid CTC/attention: weight of the encoder's CTC loss (0: decoder loss only, no CTC head)
     batch_size=64, steps=6000, lr=1e-3, min_lr_ratio=0.02, warmup_steps=500, weight_decay=0.05, clip_norm=1.0,
     workers=8, compile=False, eval_every=1000, checkpoint_every=1000, limit_eval=None, eval_batch_size=64,
     max_new_tokens=224, seed=0, progress=True,
@@ -164,7 +165,7 @@ def main(argv=None) -> dict:
     encoder = preset(cfg["trunk"], **cfg["trunk_overrides"])
     decoder = preset(cfg["trunk"], cross_attention=True, **cfg["trunk_overrides"])
     torch.manual_seed(cfg["seed"])
-    model = SpeechRecognizer(audio, text, encoder, decoder)
+    model = SpeechRecognizer(audio, text, encoder, decoder, ctc=cfg["ctc_weight"] > 0)
     # limit_eval: greedy-decode (for WER/CER) only the first limit_eval samples of each evaluation pass
     eval_batches = len(eval_data) if eval_data is not None else 1
     calls = {"n": 0}
@@ -195,8 +196,8 @@ def main(argv=None) -> dict:
         seed=cfg["seed"], run_name=f"whisper-{cfg['preset']}", progress=cfg["progress"],
     )
     export = {"builder": "omni.speech:build_speech_recognizer", "encoder": encoder.to_dict(),
-              "decoder": decoder.to_dict()}
-    trainer = Trainer(model, speech_loss, train_data, config, eval_data=eval_data, eval_fn=eval_fn,
+              "decoder": decoder.to_dict(), "ctc": cfg["ctc_weight"] > 0}
+    trainer = Trainer(model, SpeechLoss(cfg["ctc_weight"]), train_data, config, eval_data=eval_data, eval_fn=eval_fn,
                       hparams=cfg, export_config=export, export_tokenizers={"audio": audio, "text": text})
     if state.is_main_process:
         n_params = sum(p.numel() for p in unwrap(trainer.model).parameters())
