@@ -10,9 +10,9 @@
 #   packing   benchmarks/multimodal_packing.py       bar: packed Flex >= 1.5x padded SDPA useful tok/s (#5)
 #   vit       benchmarks/vit_throughput.py (omni only, SDPA backend priorities) + cuda_checks.py (#4)
 #   pendulum  recipes/decision_transformer.py on Pendulum-v1, DT only, default 10k steps (#7 quality)
-#   bench     tests + dt + whisper + packing in one call (each under its own time limit)
-#   whisper-quality  recipes/whisper.py --preset base on the synthesized speech (built here first)   (#6 quality)
-#   pendulum-sweep   three Pendulum DT variants side by side (official at lr 1e-3 / 1e-4, dt-large), 20k steps
+#   bench     CUDA tests + the Trainer's cuda_graph path + Whisper decode + DT throughput (each with a time limit)
+#   whisper-quality  recipes/whisper.py --preset base (hybrid CTC/attention) on the synthesized speech (#6 quality)
+#   pendulum-sweep   three Pendulum DT variants side by side with cuda_graph training (official 60k steps, dt-large)
 # Python packages the device lacks (webdataset, soundfile, gymnasium, minari, ...) must be on PYTHONPATH
 # already (see the device tool's README: carried wheels installed with pip --target).
 set -uo pipefail
@@ -49,21 +49,24 @@ vit)
     run timeout 200 python benchmarks/vit_throughput.py --only omni --modes max-autotune-no-cudagraphs --sdpa cudnn,flash,efficient
     ;;
 bench)
-    run timeout 100 python -m pytest -q -x tests/test_cuda_graphs.py tests/test_whisper_decode_graph.py tests/test_trunk.py
+    run timeout 150 python -m pytest -q -x tests/test_cuda_graphs.py tests/test_whisper_decode_graph.py tests/test_train_graph.py
+    # the Trainer's cuda_graph path captured on the GPU for real (CPU tests run its eager twin)
+    run timeout 120 python recipes/decision_transformer.py --preset tiny --out /tmp/dt-tiny-graph \
+        --set cuda_graph=True progress=False "methods=['dt']"
+    run timeout 240 python benchmarks/whisper_throughput.py --only decode --out "$out/whisper_decode.json"
     run timeout 150 python benchmarks/dt_throughput.py --out "$out/dt_throughput.json"
-    run timeout 150 python benchmarks/whisper_throughput.py --only train --out "$out/whisper_train.json"
-    run timeout 90 python benchmarks/whisper_throughput.py --only decode --out "$out/whisper_decode.json"
-    run timeout 90 python benchmarks/multimodal_packing.py --out "$out/multimodal_packing.json"
     ;;
 whisper-quality)
     run python recipes/whisper.py --preset base --out /tmp/whisper-base \
-        --set progress=False workers=12 checkpoint_every=0
+        --set progress=False workers=14 checkpoint_every=0 steps=3000 eval_every=1000
     cp /tmp/whisper-base/eval.json "$out/whisper_eval.json"
     ;;
 pendulum-sweep)
     run python -c "from omni.data.builders_rl import build_gym; build_gym('data/gym-Pendulum-v1', env='Pendulum-v1', episodes=1000, minari=False, quiet=True)"
-    common=(--env Pendulum-v1 --set "methods=['dt']" "target_fractions=[1.0,0.5,0.0]" progress=False log_every=2000 steps=20000)
-    for v in "a --preset dt lr=1e-3 warmup_steps=1000" "b --preset dt" "c --preset dt-large"; do
+    common=(--env Pendulum-v1 --set "methods=['dt']" "target_fractions=[1.0,0.5,0.0]" progress=False log_every=5000
+            cuda_graph=True)
+    for v in "a --preset dt lr=1e-3 warmup_steps=1000 steps=60000" "b --preset dt-large steps=30000" \
+             "c --preset dt-large steps=30000 lr=1e-3"; do
         set -- $v
         name=$1 p=$3; shift 3
         timeout 330 python recipes/decision_transformer.py --preset "$p" --out "/tmp/pendulum-$name" "${common[@]}" "$@" \

@@ -103,7 +103,8 @@ class TrainConfig:
     clip_norm: float = 1.0  # <= 0 disables clipping (the norm is still logged)
     mixed_precision: str = "auto"  # auto | no | bf16 | fp16; auto = the launcher's bf16/fp16 if it asks for
     # one, else bf16 on a CUDA GPU that has it, else no (CPU autocast is slow; force "bf16" if wanted)
-    compile: bool = False  # torch.compile the model (inductor)
+    compile: bool | str = False  # torch.compile the model (inductor); a string names the inductor mode,
+    # e.g. "max-autotune-no-cudagraphs" (autotuned GEMMs with fused epilogues: longer compile, faster steps)
     # Replay the whole step (forward, backward, clipping, AdamW) as ONE captured CUDA graph
     # (omni.cuda_graphs.GraphedTrainStep): the lever for small, launch-bound models on one GPU. Needs every
     # batch of the first batch's structure and shapes, grad_accum 1, one process and no fp16; the loss sees
@@ -581,7 +582,8 @@ class Trainer:
             # Compiled here rather than by Accelerate's dynamo plugin: that one lives in the process-wide
             # AcceleratorState (a later Trainer could not change it), and checkpoints keep the plain
             # parameter names (Accelerate saves the module it prepared), so compile can be toggled on resume.
-            self.model = torch.compile(self.model)
+            self.model = torch.compile(self.model) if config.compile is True else \
+                torch.compile(self.model, mode=str(config.compile))
 
         self._prepare_data = prepare_data
         self._train_prepared = self._should_prepare(train_data)

@@ -34,8 +34,8 @@ import torch
 from omni.config import recipe_config, recipe_parser
 from omni.data.reader import ShardLoader
 from omni.data.shards import read_manifest
-from omni.speech import (SpeechCollate, SpeechLoss, SpeechRecognizer, error_counts, greedy_decode,
-                         speech_example)
+from omni.speech import (SpeechCollate, SpeechLoss, SpeechRecognizer, ctc_greedy_decode, error_counts,
+                         greedy_decode, speech_example)
 from omni.tokenizers.audio import AudioTokenizer
 from omni.tokenizers.text import TextTokenizer
 from omni.train import TrainConfig, Trainer, process_state, unwrap
@@ -172,9 +172,14 @@ def main(argv=None) -> dict:
 
     def eval_fn(model, batch):
         """Per-sample loss and (greedy-decoded) word/char edit counts: corpus WER = mean(word_edits) /
-        mean(words), since every metric is averaged over the same samples."""
+        mean(words), since every metric is averaged over the same samples. With a CTC head also the char edits
+        of its best path (ctc_char_edits: what the encoder alone hears)."""
         m = unwrap(model)
-        logits = m(batch.audio, batch.audio_mask, batch.text)
+        ctc_logits = None
+        if m.ctc_head is not None:
+            logits, ctc_logits = m(batch.audio, batch.audio_mask, batch.text, ctc=True)
+        else:
+            logits = m(batch.audio, batch.audio_mask, batch.text)
         keep = batch.targets != -100
         nll = torch.nn.functional.cross_entropy(logits.float().transpose(1, 2), batch.targets, reduction="none")
         loss = (nll * keep).sum(1) / keep.sum(1)
@@ -187,6 +192,11 @@ def main(argv=None) -> dict:
             counts = [error_counts(text.decode(ref), text.decode(row)) for row, ref in zip(ids, batch.text.tolist())]
             c = torch.tensor(counts, dtype=torch.float32, device=loss.device)
             out.update(word_edits=c[:, 0], words=c[:, 1], char_edits=c[:, 2], chars=c[:, 3])
+            if ctc_logits is not None:
+                heard = ctc_greedy_decode(ctc_logits, batch.audio_mask)
+                out["ctc_char_edits"] = torch.tensor([error_counts(text.decode(ref), hyp)[2] for ref, hyp in
+                                                      zip(batch.text.tolist(), heard)], dtype=torch.float32,
+                                                     device=loss.device)
         return out
 
     config = TrainConfig(
@@ -209,6 +219,8 @@ def main(argv=None) -> dict:
         if "eval/words" in metrics:
             metrics["eval/wer"] = metrics["eval/word_edits"] / max(metrics["eval/words"], 1e-12)
             metrics["eval/cer"] = metrics["eval/char_edits"] / max(metrics["eval/chars"], 1e-12)
+            if "eval/ctc_char_edits" in metrics:
+                metrics["eval/ctc_cer"] = metrics["eval/ctc_char_edits"] / max(metrics["eval/chars"], 1e-12)
         result = {"seconds": round(time.time() - start, 1), **{k: v for k, v in metrics.items()
                                                                if isinstance(v, (int, float))}}
         Path(cfg["out"]).mkdir(parents=True, exist_ok=True)

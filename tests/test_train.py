@@ -511,3 +511,12 @@ def test_progress_off_prints_one_line_per_log_step(tmp_path, capsys):
     assert [ln.split(":")[0] for ln in lines] == ["step 2/4", "step 4/4"]
     loss = float(lines[-1].split("loss ")[1].split(",")[0])
     assert math.isfinite(loss) and loss > 0
+
+
+def test_compile_accepts_an_inductor_mode(tmp_path, monkeypatch):
+    """compile=True -> torch.compile(model); a string -> torch.compile(model, mode=that string)."""
+    calls = []
+    monkeypatch.setattr(torch, "compile", lambda model, **kw: calls.append(kw) or model)
+    W.run_mlp(tmp_path / "a", steps=1, compile=True, fit=False)
+    W.run_mlp(tmp_path / "b", steps=1, compile="max-autotune-no-cudagraphs", fit=False)
+    assert calls == [{}, {"mode": "max-autotune-no-cudagraphs"}]
