@@ -82,7 +82,7 @@ def test_gym_builder_uses_a_policy_file(tmp_path: Path, monkeypatch) -> None:
     from omni.data.builders_rl import build_gym
 
     path = _policy_file(tmp_path)
-    monkeypatch.setattr(policies, "_SCRIPTED", dict(policies._SCRIPTED))  # keep the built-in Pendulum expert
+    monkeypatch.setattr(policies, "_BEHAVIOUR", dict(policies._registry()))  # keep the built-in Pendulum expert
     monkeypatch.setattr(policies, "_SOURCES", dict(policies._SOURCES))
     manifest = build_gym(tmp_path / "data", env="Pendulum-v1", episodes=4, mix="medium:1", policies=path,
                          reference_episodes=1, minari=False, quiet=True)

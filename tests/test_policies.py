@@ -46,7 +46,7 @@ def test_medium_is_not_a_noisy_expert(env_id: str) -> None:
     obs = rollout(env, medium, 7, rng)["observations"]
     from omni.data import policies
 
-    spec = policies._SCRIPTED[env_id]
+    spec = policies._registry()[env_id]
     expert_actions = np.array([np.asarray(spec.expert(o), dtype=np.float64) for o in obs])
     medium_actions = np.array([np.asarray(spec.medium(o), dtype=np.float64) for o in obs])
     if env_id != "CartPole-v1":  # what the env executes (a linear policy's raw output is unbounded)

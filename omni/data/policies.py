@@ -94,7 +94,7 @@ def pendulum_spinning_controller(obs: np.ndarray) -> np.ndarray:
 
 
 @dataclass(frozen=True)
-class _Scripted:
+class _Behaviour:
     expert: Callable[[np.ndarray], Any]
     medium: Callable[[np.ndarray], Any]
     discrete: bool
@@ -102,9 +102,9 @@ class _Scripted:
     worst_noise: float  # the noise level that "replay" reaches at its worst
 
 
-_SCRIPTED: dict[str, _Scripted] = {
-    "CartPole-v1": _Scripted(cartpole_controller, cartpole_biased_controller, True, 0.02, 1.0),
-    "Pendulum-v1": _Scripted(pendulum_controller, pendulum_spinning_controller, False, 0.1, 3.0),
+_BEHAVIOUR: dict[str, _Behaviour] = {
+    "CartPole-v1": _Behaviour(cartpole_controller, cartpole_biased_controller, True, 0.02, 1.0),
+    "Pendulum-v1": _Behaviour(pendulum_controller, pendulum_spinning_controller, False, 0.1, 3.0),
 }
 # Trained (ARS) policies: Gaussian noise 0.1 of the action half-range for expert/medium, like Pendulum;
 # replay's worst episodes act with noise as large as the whole range (the agent falls within ~20 steps).
@@ -122,34 +122,48 @@ def register_policy_file(path: str | os.PathLike, env: str | None = None) -> str
     env_id, policies = load_policies(path)
     if env is not None and env_id != env:
         raise ValueError(f"{path}: policies for {env_id!r}, but the env is {env!r}")
-    _SCRIPTED[env_id] = _Scripted(policies["expert"], policies["medium"], False, _TRAINED_NOISE,
-                                  _TRAINED_WORST_NOISE)
+    _registry()  # the shipped files first, so this one replaces a shipped one for the same env
+    _add(path, env_id, policies)
+    return env_id
+
+
+def _add(path: str | os.PathLike, env_id: str, policies: dict[str, Any]) -> None:
+    _BEHAVIOUR[env_id] = _Behaviour(policies["expert"], policies["medium"], False, _TRAINED_NOISE,
+                                    _TRAINED_WORST_NOISE)
     _SOURCES[env_id] = {"file": str(Path(path).resolve()),
                         "sha256": hashlib.sha256(Path(path).read_bytes()).hexdigest()}
-    return env_id
 
 
 def policy_source(env_id: str) -> dict[str, str] | None:
     """``{file, sha256}`` of the trained-policy file ``env_id`` uses; None for hand-written or random."""
+    _registry()
     return _SOURCES.get(env_id)
 
 
-def _shipped() -> None:
-    for file in sorted(POLICY_WEIGHTS_DIR.glob("*.json")):
-        register_policy_file(file)
+_SHIPPED_LOADED = False
 
 
-_shipped()
+def _registry() -> dict[str, _Behaviour]:
+    """The behaviour policies by env, with the shipped policy files (POLICY_WEIGHTS_DIR) registered on first
+    use rather than at import (importing omni.data reads no files)."""
+    global _SHIPPED_LOADED
+    if not _SHIPPED_LOADED:
+        _SHIPPED_LOADED = True
+        from omni.data.ars import load_policies
+
+        for file in sorted(POLICY_WEIGHTS_DIR.glob("*.json")):
+            _add(file, *load_policies(file))
+    return _BEHAVIOUR
 
 
 def scripted_envs() -> tuple[str, ...]:
     """Environments with non-random behaviour policies (hand-written or trained)."""
-    return tuple(_SCRIPTED)
+    return tuple(_registry())
 
 
 def available_policies(env_id: str) -> tuple[str, ...]:
     """Policy names ``make_policy`` accepts for ``env_id``."""
-    return POLICY_NAMES if env_id in _SCRIPTED else ("random",)
+    return POLICY_NAMES if env_id in _registry() else ("random",)
 
 
 def _random_policy(action_space: Any) -> Policy:
@@ -166,7 +180,7 @@ def _random_policy(action_space: Any) -> Policy:
     raise ValueError(f"random policy supports Discrete and Box action spaces, got {action_space}")
 
 
-def _noisy(spec: _Scripted, controller: Callable[[np.ndarray], Any], action_space: Any, noise: float) -> Policy:
+def _noisy(spec: _Behaviour, controller: Callable[[np.ndarray], Any], action_space: Any, noise: float) -> Policy:
     if spec.discrete:
         n = int(action_space.n)
 
@@ -196,11 +210,11 @@ def make_policy(env_id: str, name: str, action_space: Any, rng: np.random.Genera
         raise ValueError(f"unknown policy {name!r}; choose from {', '.join(POLICY_NAMES)}")
     if name == "random":
         return _random_policy(action_space)
-    spec = _SCRIPTED.get(env_id)
+    spec = _registry().get(env_id)
     if spec is None:
         raise ValueError(
             f"no {name!r} behaviour policy for {env_id!r}: only 'random' is available there "
-            f"(behaviour policies exist for {', '.join(_SCRIPTED)}; train one with `omni data train-policy`)"
+            f"(behaviour policies exist for {', '.join(_registry())}; train one with `omni data train-policy`)"
         )
     if name == "reference":
         return _noisy(spec, spec.expert, action_space, 0.0)
