@@ -12,7 +12,7 @@
 #   pendulum  recipes/decision_transformer.py on Pendulum-v1, DT only, default 10k steps (#7 quality)
 #   bench     CUDA tests + the Trainer's cuda_graph path + Whisper decode + DT throughput (each with a time limit)
 #   whisper-quality  recipes/whisper.py --preset base (hybrid CTC/attention) on the synthesized speech (#6 quality)
-#   pendulum-sweep   three Pendulum DT variants side by side with cuda_graph training (official 60k steps, dt-large)
+#   pendulum-sweep   three Pendulum DT variants side by side with cuda_graph training (official 100k steps, dt-large)
 # Python packages the device lacks (webdataset, soundfile, gymnasium, minari, ...) must be on PYTHONPATH
 # already (see the device tool's README: carried wheels installed with pip --target).
 set -uo pipefail
@@ -65,11 +65,11 @@ pendulum-sweep)
     run python -c "from omni.data.builders_rl import build_gym; build_gym('data/gym-Pendulum-v1', env='Pendulum-v1', episodes=1000, minari=False, quiet=True)"
     common=(--env Pendulum-v1 --set "methods=['dt']" "target_fractions=[1.0,0.5,0.0]" progress=False log_every=5000
             cuda_graph=True)
-    for v in "a --preset dt lr=1e-3 warmup_steps=1000 steps=60000" "b --preset dt-large steps=30000" \
+    for v in "a --preset dt lr=1e-3 warmup_steps=1000 steps=100000" "b --preset dt-large steps=30000" \
              "c --preset dt-large steps=30000 lr=1e-3"; do
         set -- $v
         name=$1 p=$3; shift 3
-        timeout 330 python recipes/decision_transformer.py --preset "$p" --out "/tmp/pendulum-$name" "${common[@]}" "$@" \
+        timeout 450 python recipes/decision_transformer.py --preset "$p" --out "/tmp/pendulum-$name" "${common[@]}" "$@" \
             > "/tmp/pendulum-$name.log" 2>&1 &
     done
     wait

@@ -70,7 +70,7 @@ class SpeechRecognizer(nn.Module):
     BPE vocabulary: at 50 audio tokens/s a BPE-wide head would cost more than the encoder's MLPs."""
 
     def __init__(self, audio: AudioTokenizer, text: TextTokenizer, encoder: TrunkConfig,
-                 decoder: TrunkConfig, ctc: bool = False) -> None:
+                 decoder: TrunkConfig, ctc: bool = False, audio_positions: str = "none") -> None:
         super().__init__()
         if encoder.d_model != decoder.d_model:
             raise ValueError(f"encoder width {encoder.d_model} != decoder width {decoder.d_model}: "
@@ -90,6 +90,9 @@ class SpeechRecognizer(nn.Module):
         self.bos_id, self.eos_id, self.pad_id = text.bos_id, text.eos_id, text.pad_id
         self.task_id = text.token_id(TASK)
         self.tokens_per_second = audio.tokens_per_second
+        if audio_positions not in ("none", "sinusoidal"):
+            raise ValueError(f"audio_positions must be 'none' or 'sinusoidal', got {audio_positions!r}")
+        self.audio_positions = audio_positions
 
     @property
     def prompt(self) -> list[int]:
@@ -99,7 +102,10 @@ class SpeechRecognizer(nn.Module):
     def encode(self, audio: Tensor, audio_mask: Tensor | None = None) -> Tensor:
         """audio (B, S, F) log-mel windows, audio_mask (B, S) bool True = real -> memory (B, S, d)."""
         mask = None if audio_mask is None else audio_mask[:, None, None, :]
-        return self.encoder(self.audio_embed(audio), None, mask)
+        x = self.audio_embed(audio)
+        if self.audio_positions == "sinusoidal":  # Whisper's absolute positions, on top of the trunk's own
+            x = x + sinusoid(x.shape[1], x.shape[2], x.device).to(x.dtype)
+        return self.encoder(x, None, mask)
 
     def decode_hidden(self, text: Tensor, memory: Tensor | None, audio_mask: Tensor | None,
                       cache: KVCache | None = None, cache_position: Tensor | None = None) -> Tensor:
@@ -122,10 +128,20 @@ class SpeechRecognizer(nn.Module):
         return logits, self.ctc_head(memory)
 
 
+def sinusoid(length: int, d: int, device: torch.device | str | None = None) -> Tensor:
+    """(length, d) Whisper-style sinusoidal positions: sin over the first d/2 channels, cos over the rest,
+    timescales log-spaced from 1 to 10,000."""
+    half = d // 2
+    inv = torch.exp(-math.log(10_000) * torch.arange(half, device=device, dtype=torch.float32) / max(half - 1, 1))
+    angles = torch.arange(length, device=device, dtype=torch.float32)[:, None] * inv[None]
+    return torch.cat([angles.sin(), angles.cos()], dim=1)
+
+
 def build_speech_recognizer(config: dict[str, Any], tokenizers: dict[str, Any]) -> SpeechRecognizer:
     """Export builder (config.json "builder": "omni.speech:build_speech_recognizer")."""
     return SpeechRecognizer(tokenizers["audio"], tokenizers["text"], TrunkConfig(**config["encoder"]),
-                            TrunkConfig(**config["decoder"]), ctc=bool(config.get("ctc", False)))
+                            TrunkConfig(**config["decoder"]), ctc=bool(config.get("ctc", False)),
+                            audio_positions=config.get("audio_positions", "none"))
 
 
 # ----------------------------------------------------------------------------------------------------

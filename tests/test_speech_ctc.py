@@ -128,3 +128,33 @@ def test_ctc_alone_learns_to_align(toks):
         _, ctc_logits = model(batch.audio, batch.audio_mask, batch.text, ctc=True)
     assert ctc_greedy_decode(ctc_logits, batch.audio_mask) == ["ab", "cd"]
     assert metrics["ctc_loss"].item() < first / 50
+
+
+def test_sinusoidal_audio_positions(toks, tmp_path):
+    """Whisper's absolute positions on the audio embeddings: the table, its effect, the export round trip."""
+    from omni.speech import sinusoid
+
+    table = sinusoid(5, 8)
+    assert table.shape == (5, 8)
+    torch.testing.assert_close(table[0], torch.tensor([0.0] * 4 + [1.0] * 4))
+    torch.testing.assert_close(table[3, 0], torch.tensor(3.0).sin())  # timescale 1 on the first channel
+    torch.testing.assert_close(table[3, 3], torch.tensor(3e-4).sin())  # 10,000 on the last sin channel
+    audio, text = toks
+    batch = noise_batch(audio, text)
+    torch.manual_seed(0)
+    with_pos = SpeechRecognizer(audio, text, preset("tiny"), preset("tiny", cross_attention=True),
+                                audio_positions="sinusoidal").eval()
+    torch.manual_seed(0)
+    plain = SpeechRecognizer(audio, text, preset("tiny"), preset("tiny", cross_attention=True)).eval()
+    with torch.no_grad():
+        a, b = with_pos.encode(batch.audio, batch.audio_mask), plain.encode(batch.audio, batch.audio_mask)
+    assert (a - b).abs().max() > 1e-3  # same weights, the positions change the encoding
+    path = save_pretrained(with_pos, tmp_path / "final",
+                           {"builder": "omni.speech:build_speech_recognizer", "encoder": preset("tiny").to_dict(),
+                            "decoder": preset("tiny", cross_attention=True).to_dict(),
+                            "audio_positions": "sinusoidal"}, tokenizers={"audio": audio, "text": text})
+    loaded, _, _ = load_recognizer(path, device="cpu")
+    with torch.no_grad():
+        torch.testing.assert_close(loaded.encode(batch.audio, batch.audio_mask), a)
+    with pytest.raises(ValueError, match="audio_positions"):
+        SpeechRecognizer(audio, text, preset("tiny"), preset("tiny", cross_attention=True), audio_positions="rope")
