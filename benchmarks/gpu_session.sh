@@ -8,13 +8,16 @@
 #   dt        benchmarks/dt_throughput.py            bar: omni compile+graph >= 2.5x HF compiled (#7)
 #   whisper   benchmarks/whisper_throughput.py       bars: train >= 1.3x HF compiled, decode >= 25k tok/s (#6)
 #   packing   benchmarks/multimodal_packing.py       bar: packed Flex >= 1.5x padded SDPA useful tok/s (#5)
-#   vit       benchmarks/vit_throughput.py (omni only, SDPA backend priorities) + cuda_checks.py (#4)
+#   vit       benchmarks/vit_throughput.py: omni vs timm compiled, omni with cuDNN attention first + kernel
+#             profile, omni under inductor max-autotune (#4)
 #   pendulum  recipes/decision_transformer.py on Pendulum-v1, DT only, default 10k steps (#7 quality)
-#   bench     CUDA tests + the Trainer's cuda_graph path + Whisper decode + DT throughput (each with a time limit)
+#   bench     CUDA tests + the Trainer's cuda_graph path on the GPU + Whisper decode (each with a time limit)
 #   whisper-quality  recipes/whisper.py --preset base (hybrid CTC/attention) on the synthesized speech (#6 quality)
 #   pendulum-sweep   three Pendulum DT variants side by side with cuda_graph training (official 100k steps, dt-large)
-# Python packages the device lacks (webdataset, soundfile, gymnasium, minari, ...) must be on PYTHONPATH
-# already (see the device tool's README: carried wheels installed with pip --target).
+# Python packages the device lacks (webdataset, soundfile, gymnasium, minari, espeakng-loader, ...) must be on
+# PYTHONPATH already (see the device tool's README: carried wheels installed with pip --target). The speech
+# builder reads the Austen novels of Debian's r-cran-janeaustenr: carry a copy of that folder as
+# .austen/janeaustenr (ignored by git) and whisper-quality installs it.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 stage=${1:?usage: gpu_session.sh STAGE [OUT]}
@@ -54,9 +57,11 @@ bench)
     run timeout 120 python recipes/decision_transformer.py --preset tiny --out /tmp/dt-tiny-graph \
         --set cuda_graph=True progress=False "methods=['dt']"
     run timeout 240 python benchmarks/whisper_throughput.py --only decode --out "$out/whisper_decode.json"
-    run timeout 150 python benchmarks/dt_throughput.py --out "$out/dt_throughput.json"
     ;;
 whisper-quality)
+    if [ -d .austen/janeaustenr ] && [ ! -d /usr/lib/R/site-library/janeaustenr ]; then
+        mkdir -p /usr/lib/R/site-library && cp -r .austen/janeaustenr /usr/lib/R/site-library/
+    fi
     run python recipes/whisper.py --preset base --out /tmp/whisper-base \
         --set progress=False workers=14 checkpoint_every=0 steps=3000 eval_every=1000
     cp /tmp/whisper-base/eval.json "$out/whisper_eval.json"
