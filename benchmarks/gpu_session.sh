@@ -32,6 +32,12 @@ run() {  # one command, its output appended to the stage log; a failure does not
     "$@" 2>&1 | tee -a "$out/$stage.log"
 }
 
+install_austen() {  # the speech builder's corpus, from a carried copy when the machine lacks the Debian package
+    if [ -d .austen/janeaustenr ] && [ ! -d /usr/lib/R/site-library/janeaustenr ]; then
+        mkdir -p /usr/lib/R/site-library && cp -r .austen/janeaustenr /usr/lib/R/site-library/
+    fi
+}
+
 case "$stage" in
 tests)
     run python -m pytest -q tests/test_cuda_graphs.py tests/test_whisper_decode_graph.py tests/test_trunk.py
@@ -59,14 +65,17 @@ bench)
     run timeout 240 python benchmarks/whisper_throughput.py --only decode --out "$out/whisper_decode.json"
     ;;
 whisper-quality)
-    if [ -d .austen/janeaustenr ] && [ ! -d /usr/lib/R/site-library/janeaustenr ]; then
-        mkdir -p /usr/lib/R/site-library && cp -r .austen/janeaustenr /usr/lib/R/site-library/
-    fi
+    install_austen
     run python recipes/whisper.py --preset base --out /tmp/whisper-base \
         --set progress=False workers=14 checkpoint_every=0 steps=3000 eval_every=1000
     cp /tmp/whisper-base/eval.json "$out/whisper_eval.json"
     ;;
 pendulum-sweep)
+    # the recipe's speech set is built meanwhile (CPU), so a whisper-quality call right after finds it ready
+    install_austen
+    python -c "from omni.data.builders_speech import build_speech_synth; build_speech_synth('data/speech-synth', train=20000, test=500, seed=0)" \
+        > "$out/speech_build.log" 2>&1 &
+    builder=$!
     run python -c "from omni.data.builders_rl import build_gym; build_gym('data/gym-Pendulum-v1', env='Pendulum-v1', episodes=1000, minari=False, quiet=True)"
     common=(--env Pendulum-v1 --set "methods=['dt']" "target_fractions=[1.0,0.5,0.0]" progress=False log_every=5000
             cuda_graph=True)
@@ -78,6 +87,7 @@ pendulum-sweep)
             > "/tmp/pendulum-$name.log" 2>&1 &
     done
     wait
+    wait "$builder"
     for name in a b c; do
         { echo "== pendulum-$name"; grep -v "^step" "/tmp/pendulum-$name.log" | tail -n 25; } | tee -a "$out/$stage.log"
         cp "/tmp/pendulum-$name/results.json" "$out/pendulum_$name.json"
