@@ -67,7 +67,7 @@ bench)
 whisper-quality)
     install_austen
     run python recipes/whisper.py --preset base --out /tmp/whisper-base \
-        --set progress=False workers=14 checkpoint_every=0 steps=3000 eval_every=1000
+        --set progress=False log_every=100 workers=14 checkpoint_every=0 steps=3000 eval_every=1000
     cp /tmp/whisper-base/eval.json "$out/whisper_eval.json"
     ;;
 pendulum-sweep)

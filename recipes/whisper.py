@@ -51,7 +51,7 @@ COMMON = dict(
     audio_positions="none",  # "sinusoidal": Whisper's absolute positions added to the audio embeddings
     batch_size=64, steps=6000, lr=1e-3, min_lr_ratio=0.02, warmup_steps=500, weight_decay=0.05, clip_norm=1.0,
     workers=8, compile=False, eval_every=1000, checkpoint_every=1000, limit_eval=None, eval_batch_size=64,
-    max_new_tokens=224, seed=0, progress=True,
+    max_new_tokens=224, seed=0, progress=True, log_every=10,
 )
 PRESETS: dict[str, dict] = {
     # CPU smoke test: a few steps of a tiny trunk on a few dozen synthesised utterances.
@@ -207,7 +207,7 @@ def main(argv=None) -> dict:
         output_dir=cfg["out"], steps=cfg["steps"], lr=cfg["lr"], min_lr_ratio=cfg["min_lr_ratio"],
         warmup_steps=cfg["warmup_steps"], weight_decay=cfg["weight_decay"], clip_norm=cfg["clip_norm"],
         compile=cfg["compile"], eval_every=cfg["eval_every"], checkpoint_every=cfg["checkpoint_every"],
-        seed=cfg["seed"], run_name=f"whisper-{cfg['preset']}", progress=cfg["progress"],
+        seed=cfg["seed"], run_name=f"whisper-{cfg['preset']}", progress=cfg["progress"], log_every=cfg["log_every"],
     )
     export = {"builder": "omni.speech:build_speech_recognizer", "encoder": encoder.to_dict(),
               "decoder": decoder.to_dict(), "ctc": cfg["ctc_weight"] > 0, "audio_positions": cfg["audio_positions"]}
