@@ -259,6 +259,7 @@ def test_recipe_tiny_smoke(tmp_path):
                            f"build={build!r}", "steps=3", "batch_size=3", "eval_batch_size=3", "max_new_tokens=6",
                            "progress=False"])
     assert metrics["eval/words"] > 3 and 0.0 <= metrics["eval/cer"] and metrics["eval/loss"] > 0
+    assert metrics["eval/ctc_cer"] >= 0.0 and metrics["train/ctc_loss"] > 0  # hybrid CTC/attention by default
     final = tmp_path / "run" / "final"
     assert (tmp_path / "run" / "eval.json").is_file() and (final / "tokenizers" / "text" / "tokenizer.json").is_file()
     wav = tmp_path / "x.wav"
