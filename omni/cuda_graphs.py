@@ -121,7 +121,6 @@ class GraphedTrainStep:
         _check_optimizer(optimizer, self.device, self.use_graph)
         self.model, self.loss_fn, self.optimizer = model, loss_fn, optimizer
         self.clip_norm, self.autocast_dtype = clip_norm, autocast_dtype
-        self.params = [p for g in optimizer.param_groups for p in g["params"]]
         # clipped in the model's own order, as clip_grad_norm_(model.parameters()) does: the same norm to the
         # last bit as an eager loop's (the optimizer's groups may list the parameters in another order)
         self.clip_params = list(model.parameters())

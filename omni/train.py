@@ -786,15 +786,16 @@ class Trainer:
             batch = send_to_device(batch, acc.device, non_blocking=True)
         leaves, spec = tree_flatten(batch)
         is_tensor = [isinstance(x, Tensor) for x in leaves]
+        tensors = [x for x in leaves if isinstance(x, Tensor)]
         if self._graph is None:
-            self._build_graph(leaves, spec, is_tensor)
+            self._build_graph(tensors, spec, is_tensor)
         elif (spec, is_tensor) != self._graph_layout:
             raise ValueError(f"cuda_graph: batch {index} of epoch {epoch} is structured differently from the "
                              f"captured first batch ({spec} vs {self._graph_layout[0]}); a CUDA graph replays one "
                              "fixed batch layout")
         lr = float(self.scheduler.get_last_lr()[0])
         try:
-            loss = self._graph(*[x for x in leaves if isinstance(x, Tensor)])
+            loss = self._graph(*tensors)
         except ValueError as exc:  # a shape or dtype that differs from the captured batch
             raise ValueError(f"cuda_graph: batch {index} of epoch {epoch}: {exc}") from exc
         self.scheduler.step()
@@ -810,7 +811,7 @@ class Trainer:
         out.update({name: values[1 + i] for i, name in enumerate(names)})
         return out
 
-    def _build_graph(self, leaves: list[Any], spec: Any, is_tensor: list[bool]) -> None:
+    def _build_graph(self, tensors: list[Tensor], spec: Any, is_tensor: list[bool]) -> None:
         """Capture the step on the first batch (after any resume, so it reads the restored optimizer state).
         The optimizer becomes what capture needs: a tensor LR per group on the device (the scheduler fills
         it in place; float64 on CPU keeps results bit-identical to a float LR), fused + capturable on CUDA."""
@@ -840,8 +841,7 @@ class Trainer:
             return loss
 
         clip = cfg.clip_norm if cfg.clip_norm and cfg.clip_norm > 0 else float("inf")  # inf: norm logged only
-        self._graph = GraphedTrainStep(self.model, loss_of_tensors, opt,
-                                       [x for x in leaves if isinstance(x, Tensor)], clip_norm=clip)
+        self._graph = GraphedTrainStep(self.model, loss_of_tensors, opt, tensors, clip_norm=clip)
         self._graph_layout = (spec, is_tensor)
         self._metric_names = sorted(self._graph_metrics)
 

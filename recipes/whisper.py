@@ -193,14 +193,14 @@ def main(argv=None) -> dict:
         if cfg["limit_eval"] is None or position * cfg["eval_batch_size"] < cfg["limit_eval"]:
             memory = m.encode(batch.audio, batch.audio_mask)
             ids = greedy_decode(m, memory, batch.audio_mask, max_new_tokens=cfg["max_new_tokens"], check_every=8)
-            counts = [error_counts(text.decode(ref), text.decode(row)) for row, ref in zip(ids, batch.text.tolist())]
+            refs = [text.decode(ref) for ref in batch.text.tolist()]
+            counts = [error_counts(ref, text.decode(row)) for row, ref in zip(ids, refs)]
             c = torch.tensor(counts, dtype=torch.float32, device=loss.device)
             out.update(word_edits=c[:, 0], words=c[:, 1], char_edits=c[:, 2], chars=c[:, 3])
             if ctc_logits is not None:
                 heard = ctc_greedy_decode(ctc_logits, batch.audio_mask)
-                out["ctc_char_edits"] = torch.tensor([error_counts(text.decode(ref), hyp)[2] for ref, hyp in
-                                                      zip(batch.text.tolist(), heard)], dtype=torch.float32,
-                                                     device=loss.device)
+                out["ctc_char_edits"] = torch.tensor([error_counts(ref, hyp)[2] for ref, hyp in zip(refs, heard)],
+                                                     dtype=torch.float32, device=loss.device)
         return out
 
     config = TrainConfig(
