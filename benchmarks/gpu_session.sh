@@ -13,7 +13,10 @@
 #   pendulum  recipes/decision_transformer.py on Pendulum-v1, DT only, default 10k steps (#7 quality)
 #   bench     CUDA tests + the Trainer's cuda_graph path on the GPU + Whisper decode (each with a time limit)
 #   whisper-quality  recipes/whisper.py --preset base (hybrid CTC/attention) on the synthesized speech (#6 quality)
-#   pendulum-sweep   three Pendulum DT variants side by side with cuda_graph training (official 100k steps, dt-large)
+#   pendulum-sweep   six Pendulum DT variants side by side with cuda_graph training (long, action dropout,
+#             short contexts, dt-large); builds the speech set meanwhile
+#   pendulum-ad      follow-up: action dropout rates, a second seed, context 10, dt-large
+#   finish    Whisper decode rows + the ViT under max-autotune
 # Python packages the device lacks (webdataset, soundfile, gymnasium, minari, espeakng-loader, ...) must be on
 # PYTHONPATH already (see the device tool's README: carried wheels installed with pip --target). The speech
 # builder reads the Austen novels of Debian's r-cran-janeaustenr: carry a copy of that folder as
@@ -76,29 +79,64 @@ pendulum-sweep)
     python -c "from omni.data.builders_speech import build_speech_synth; build_speech_synth('data/speech-synth', train=20000, test=500, seed=0)" \
         > "$out/speech_build.log" 2>&1 &
     builder=$!
+    # the Trainer's cuda_graph path captured on the GPU first; the sweep trains eagerly if it fails
+    graph=True
+    run timeout 120 python recipes/decision_transformer.py --preset tiny --out /tmp/dt-tiny-graph \
+        --set cuda_graph=True progress=False "methods=['dt']" || graph=False
+    grep -q "^dt seed 0 target" "$out/$stage.log" || graph=False
+    echo "cuda_graph=$graph" | tee -a "$out/$stage.log"
     run python -c "from omni.data.builders_rl import build_gym; build_gym('data/gym-Pendulum-v1', env='Pendulum-v1', episodes=1000, minari=False, quiet=True)"
-    common=(--env Pendulum-v1 --set "methods=['dt']" "target_fractions=[1.0,0.5,0.0]" progress=False log_every=5000
-            cuda_graph=True)
-    for v in "a --preset dt lr=1e-3 warmup_steps=1000 steps=100000" "b --preset dt-large steps=30000" \
-             "c --preset dt-large steps=30000 lr=1e-3"; do
+    common=(--env Pendulum-v1 --set "methods=['dt']" "target_fractions=[1.0,0.5,0.0]" eval_seeds=10 progress=False
+            log_every=5000 cuda_graph=$graph lr=1e-3 warmup_steps=1000)
+    # context 20 longer; past actions hidden (action_dropout); shorter contexts; a larger trunk
+    variants=("a --preset dt steps=40000" "b --preset dt steps=30000 action_dropout=0.5"
+              "c --preset dt steps=30000 action_dropout=0.9" "d --preset dt steps=30000 context=5"
+              "e --preset dt steps=30000 context=1" "f --preset dt-large steps=20000 lr=3e-4")
+    for v in "${variants[@]}"; do
         set -- $v
         name=$1 p=$3; shift 3
-        timeout 450 python recipes/decision_transformer.py --preset "$p" --out "/tmp/pendulum-$name" "${common[@]}" "$@" \
-            > "/tmp/pendulum-$name.log" 2>&1 &
+        OMP_NUM_THREADS=2 timeout 430 python recipes/decision_transformer.py --preset "$p" --out "/tmp/pendulum-$name" \
+            "${common[@]}" "$@" > "/tmp/pendulum-$name.log" 2>&1 &
+    done
+    wait "$builder"
+    wait
+    for v in "${variants[@]}"; do
+        set -- $v
+        { echo "== pendulum-$v"; grep -v "^step" "/tmp/pendulum-$1.log" | tail -n 12; } | tee -a "$out/$stage.log"
+        cp "/tmp/pendulum-$1/results.json" "$out/pendulum_$1.json"
+    done
+    ;;
+pendulum-ad)
+    # follow-up of pendulum-sweep (needs its data/gym-Pendulum-v1): action dropout rates, seeds, context, trunk
+    common=(--env Pendulum-v1 --set "methods=['dt']" "target_fractions=[1.0,0.5,0.0]" eval_seeds=10 progress=False
+            log_every=5000 cuda_graph=True lr=1e-3 warmup_steps=1000 steps=25000)
+    variants=("g --preset dt action_dropout=0.3" "h --preset dt action_dropout=0.7"
+              "i --preset dt action_dropout=0.5 train_seeds=[1]" "j --preset dt action_dropout=0.5 context=10"
+              "k --preset dt-large action_dropout=0.5 lr=3e-4 steps=15000" "l --preset dt action_dropout=0.5 dropout=0.0")
+    for v in "${variants[@]}"; do
+        set -- $v
+        name=$1 p=$3; shift 3
+        OMP_NUM_THREADS=2 timeout 330 python recipes/decision_transformer.py --preset "$p" --out "/tmp/pendulum-$name" \
+            "${common[@]}" "$@" > "/tmp/pendulum-$name.log" 2>&1 &
     done
     wait
-    wait "$builder"
-    for name in a b c; do
-        { echo "== pendulum-$name"; grep -v "^step" "/tmp/pendulum-$name.log" | tail -n 25; } | tee -a "$out/$stage.log"
-        cp "/tmp/pendulum-$name/results.json" "$out/pendulum_$name.json"
+    for v in "${variants[@]}"; do
+        set -- $v
+        { echo "== pendulum-$v"; grep -v "^step" "/tmp/pendulum-$1.log" | tail -n 6; } | tee -a "$out/$stage.log"
+        cp "/tmp/pendulum-$1/results.json" "$out/pendulum_$1.json"
     done
+    ;;
+finish)
+    # Whisper decode rows (#6) and the ViT under inductor max-autotune (#4)
+    run timeout 260 python benchmarks/whisper_throughput.py --only decode --out "$out/whisper_decode.json"
+    run timeout 280 python benchmarks/vit_throughput.py --only omni --modes max-autotune-no-cudagraphs --sdpa cudnn,flash,efficient
     ;;
 pendulum)
     run python recipes/decision_transformer.py --env Pendulum-v1 --out "$out/dt-pendulum" \
         --set "methods=['dt']" "target_fractions=[1.0,0.75,0.5,0.25,0.0]" progress=False log_every=1000
     ;;
 *)
-    echo "unknown stage $stage (tests, dt, whisper, packing, vit, pendulum, bench, whisper-quality, pendulum-sweep)" >&2
+    echo "unknown stage $stage (tests, dt, whisper, packing, vit, pendulum, bench, whisper-quality, pendulum-sweep, pendulum-ad, finish)" >&2
     exit 2
     ;;
 esac

@@ -323,11 +323,19 @@ class DecisionTransformer(nn.Module):
     """Trajectory embedder -> causal Trunk -> action head at every token (read at state tokens).
 
     use_returns=False: behaviour cloning on (s, a) tokens (the return-to-go rows are never fed).
+    action_dropout: in training, each past action token's value is hidden with this probability (the
+    token keeps its timestep). On datasets of smooth controllers "repeat the last action" predicts the
+    data almost as well as the state does, and a model that leans on it copies its own first, timid
+    actions in rollouts; hiding actions makes it read the state. 0 (default) is the official DT.
     """
 
-    def __init__(self, tokenizer: TrajectoryTokenizer, trunk: TrunkConfig, *, use_returns: bool = True) -> None:
+    def __init__(self, tokenizer: TrajectoryTokenizer, trunk: TrunkConfig, *, use_returns: bool = True,
+                 action_dropout: float = 0.0) -> None:
         super().__init__()
+        if not 0.0 <= action_dropout < 1.0:
+            raise ValueError(f"action_dropout must be in [0, 1), got {action_dropout}")
         self.use_returns = bool(use_returns)
+        self.action_dropout = float(action_dropout)
         self.discrete = tokenizer.discrete
         self.context = tokenizer.context
         self.tokens_per_step = 3 if use_returns else 2
@@ -349,7 +357,10 @@ class DecisionTransformer(nn.Module):
         With ``cache`` the tokens are appended to it (positions continue after the cached ones)."""
         if tokens.dim() != 3 or tokens.shape[-1] != self.feature_dim:
             raise ValueError(f"DecisionTransformer expects tokens (B, T, {self.feature_dim}), got {tuple(tokens.shape)}")
-        h = self.trunk(self.embed(tokens), mask=None if cache is not None else "causal", cache=cache)
+        keep = None
+        if self.training and self.action_dropout > 0.0:
+            keep = torch.rand(tokens.shape[:-1] + (1,), device=tokens.device) >= self.action_dropout
+        h = self.trunk(self.embed(tokens, keep), mask=None if cache is not None else "causal", cache=cache)
         out = self.head(h)
         if not self.discrete:
             out = self.action_center + self.action_scale * out

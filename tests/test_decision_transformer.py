@@ -115,6 +115,42 @@ def test_cached_rollout_continuous_pendulum():
     np.testing.assert_allclose(runs[0].returns, runs[1].returns, rtol=1e-6)
 
 
+def test_action_dropout_hides_past_actions_in_training_only():
+    """action_dropout: in training a hidden action token contributes its timestep alone (changing the action
+    value changes nothing), kept ones do; in eval mode the model equals one built without it."""
+    rng = np.random.default_rng(0)
+    tok = cartpole_tok(context=4)
+    x = tok.encode(fake_episode(rng, 4, "ep"), key="ep").tokens[None]  # (1, 12, F)
+    flipped = x.clone()
+    is_action = flipped[..., COL_KIND] == KIND_ACTION
+    flipped[..., -1] = torch.where(is_action, 1.0 - flipped[..., -1], flipped[..., -1])
+    torch.manual_seed(0)
+    plain = DecisionTransformer(tok, tiny_trunk(dropout=0.0))
+    hiding = DecisionTransformer(tok, tiny_trunk(dropout=0.0), action_dropout=0.5)
+    hiding.load_state_dict(plain.state_dict())
+    plain.eval(), hiding.eval()
+    torch.testing.assert_close(hiding(x), plain(x), rtol=0, atol=0)
+    assert not torch.allclose(plain(x), plain(flipped))  # the actions matter to the model
+
+    hiding.train()
+    # a seed whose draw (the one forward makes) hides the first action (row 2) and keeps the second (row 5)
+    seed = next(s for s in range(100) if _draw(s, x)[2] == 0 and _draw(s, x)[5] == 1)
+    outs = []
+    for tokens in (x, flipped):
+        torch.manual_seed(seed)
+        outs.append(hiding(tokens))
+    # rows 0-4 see only the hidden action: unchanged by the flip; from row 5 on the kept one shows
+    torch.testing.assert_close(outs[0][:, :5], outs[1][:, :5], rtol=0, atol=0)
+    assert (outs[0][:, 5:] - outs[1][:, 5:]).abs().amax() > 1e-4
+    with pytest.raises(ValueError, match="action_dropout"):
+        DecisionTransformer(tok, tiny_trunk(), action_dropout=1.0)
+
+
+def _draw(seed: int, x: torch.Tensor) -> list[int]:
+    torch.manual_seed(seed)
+    return (torch.rand(x.shape[:-1] + (1,)) >= 0.5)[0, :, 0].long().tolist()
+
+
 def test_windows_right_padded_and_bc_drops_return_tokens():
     rng = np.random.default_rng(0)
     eps = [fake_episode(rng, 9, "long"), fake_episode(rng, 3, "short")]

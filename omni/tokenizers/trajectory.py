@@ -622,7 +622,9 @@ class TrajectoryEmbedder(nn.Module):
         self.embed_ln = nn.LayerNorm(d_model)
         self.type_embedding = TypeEmbedding(d_model)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, action_keep: Tensor | None = None) -> Tensor:
+        """x (..., F) rows -> (..., d). action_keep (..., 1), 0/1: action rows where it is 0 carry no action
+        value (only their timestep), the Decision Transformer's action dropout in training."""
         if x.shape[-1] != self.feature_dim:
             raise ValueError(f"trajectory embedder expects (..., {self.feature_dim}) tokens, got {tuple(x.shape)}")
         kind = x[..., COL_KIND : COL_KIND + 1]
@@ -636,6 +638,8 @@ class TrajectoryEmbedder(nn.Module):
             h_act = self.embed_action(ids)
         else:
             h_act = self.embed_action(x[..., self.col_action :].to(w.dtype))
+        if action_keep is not None:
+            h_act = h_act * action_keep.to(h_act.dtype)
         h = torch.where(kind < 0.5, h_ret, torch.where(kind < 1.5, h_state, h_act))
         h = h + self.embed_timestep(t)
         return self.type_embedding(self.embed_ln(h))
