@@ -16,6 +16,7 @@
 #   pendulum-sweep   six Pendulum DT variants side by side with cuda_graph training (long, action dropout,
 #             short contexts, dt-large); builds the speech set meanwhile
 #   pendulum-ad      follow-up: action dropout rates, a second seed, context 10, dt-large
+#   multimodal-small the joint 4-task run + the 4 single-task runs at equal steps, small preset (#5)
 #   finish    Whisper decode rows + the ViT under max-autotune
 # Python packages the device lacks (webdataset, soundfile, gymnasium, minari, espeakng-loader, ...) must be on
 # PYTHONPATH already (see the device tool's README: carried wheels installed with pip --target). The speech
@@ -126,6 +127,31 @@ pendulum-ad)
         cp "/tmp/pendulum-$1/results.json" "$out/pendulum_$1.json"
     done
     ;;
+multimodal-small)
+    # #5 equal compute on the GPU: the joint 4-task run and the four single-task runs (`only`), small preset,
+    # side by side on the one GPU (quality numbers; their seconds are not throughput). Needs Fashion-MNIST: carry
+    # /usr/share/datasets/fashion-mnist as .fmnist (ignored by git). Speech shards as in whisper-quality.
+    install_austen
+    if [ -d .fmnist ] && [ ! -d /usr/share/datasets/fashion-mnist ]; then
+        mkdir -p /usr/share/datasets/fashion-mnist && cp .fmnist/*.gz /usr/share/datasets/fashion-mnist/
+    fi
+    steps=${MM_STEPS:-3000}
+    [ -f data/speech-synth/manifest.json ] || run python -c "from omni.data.builders_speech import build_speech_synth; build_speech_synth('data/speech-synth', train=20000, test=500, seed=0, quiet=True)"
+    # one process prepares every task's cached data first, so the five runs do not build it at once
+    run timeout 300 python recipes/multimodal.py --preset small --out /tmp/mm-prep --set steps=1 eval_tasks=False \
+        progress=False workers=4 checkpoint_every=0 eval_every=0 report_to=none
+    for only in all image asr rl text; do
+        extra=(); [ "$only" = all ] || extra=("only='$only'")
+        OMP_NUM_THREADS=2 timeout 480 python recipes/multimodal.py --preset small --out "/tmp/mm-$only" --set steps=$steps \
+            warmup_steps=300 eval_every=1000 checkpoint_every=0 progress=False workers=2 report_to=none log_every=250 \
+            "${extra[@]}" > "/tmp/mm-$only.log" 2>&1 &
+    done
+    wait
+    for only in all image asr rl text; do
+        { echo "== mm-$only"; grep -v "^step [0-9]*/" "/tmp/mm-$only.log" | tail -n 20; } | tee -a "$out/$stage.log"
+        cp "/tmp/mm-$only/results.json" "$out/mm_$only.json" 2>/dev/null
+    done
+    ;;
 finish)
     # Whisper decode rows (#6) and the ViT under inductor max-autotune (#4)
     run timeout 260 python benchmarks/whisper_throughput.py --only decode --out "$out/whisper_decode.json"
@@ -136,7 +162,7 @@ pendulum)
         --set "methods=['dt']" "target_fractions=[1.0,0.75,0.5,0.25,0.0]" progress=False log_every=1000
     ;;
 *)
-    echo "unknown stage $stage (tests, dt, whisper, packing, vit, pendulum, bench, whisper-quality, pendulum-sweep, pendulum-ad, finish)" >&2
+    echo "unknown stage $stage (tests, dt, whisper, packing, vit, pendulum, bench, whisper-quality, pendulum-sweep, pendulum-ad, multimodal-small, finish)" >&2
     exit 2
     ;;
 esac

@@ -17,7 +17,10 @@ batch). Four kinds cover the built-in modalities and any plug-in:
                  the device with the batch.
   TranscribeTask [audio segment, text segment "<bos><|transcribe|> ... <eos>"]: the packing rule makes it
                  a prefix-LM (every transcript token sees the whole clip, the clip never sees the text)
-                 -> LM head tied to the text embedding -> next-token cross-entropy on the transcript.
+                 -> LM head tied to the text embedding -> next-token cross-entropy on the transcript;
+                 with ``ctc_weight`` > 0 also a byte-level CTC head on the audio span's hidden states
+                 (hybrid CTC/attention, as recipes/whisper.py), its labels carried as the audio segment's
+                 targets.
   ActionTask     [trajectory segment] (a window of ``context`` steps of an episode, random start) ->
                  ActionHead read at state rows -> cross-entropy (discrete) / MSE (continuous, the tanh
                  output rescaled to the action bounds as omni.rl does).
@@ -34,7 +37,8 @@ reports, on the task's held-out items, so a jointly trained trunk is compared li
   TranscribeTask greedy transcripts -> corpus CER / WER (``omni.speech.error_rates``), decoded by
                  ``omni.speech.greedy_decode`` itself (same eos / token-limit / repetition rules) through
                  ``PrefixLMTranscriber``: the audio prefix goes into the trunk's KV cache once
-                 (bidirectional over the real frames), then one cached step per token  (recipes/whisper.py)
+                 (bidirectional over the real frames), then one cached step per token  (recipes/whisper.py);
+                 with a CTC head also its best-path CER (``ctc_cer``)
   ActionTask     ``omni.rl.evaluate`` rollouts in the real env through ``TrajectoryPolicy`` (the
                  DecisionTransformer interface over the shared trunk), target = the expert reference,
                  normalised score 100 (R - R_random) / (R_expert - R_random)   (recipes/decision_transformer.py)
@@ -56,6 +60,7 @@ from __future__ import annotations
 
 import math
 import re
+import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass, fields
 from typing import Any, Iterator, Mapping, Sequence
@@ -373,20 +378,34 @@ class TranscribeTask(_NextTextTokenTask):
     """Speech recognition as a prefix-LM: [audio, <bos><|transcribe|> text <eos>] in one document.
 
     ``clips[i]`` is raw audio for ``audio.encode`` or an encoded audio Segment (pre-encode small sets:
-    log-mel extraction dominates the CPU cost of a batch)."""
+    log-mel extraction dominates the CPU cost of a batch).
+
+    ``ctc_weight`` > 0 adds hybrid CTC/attention training (``omni.speech.SpeechRecognizer``'s reason: trained
+    from scratch, the text part can learn the transcripts' language and ignore the audio; a CTC loss on the
+    audio span makes its hidden states line up with the transcript): a byte-level CTC head (``{name}_ctc``,
+    257 outputs, ``omni.speech.CTC_BLANK`` the blank) on every audio token, task loss = (1 - ctc_weight) x
+    text cross-entropy + ctc_weight x CTC (as ``omni.speech.SpeechLoss``). The CTC labels
+    (``omni.speech.ctc_labels``) travel as the audio segment's per-token targets: label byte k at frame k,
+    ``IGNORE_INDEX`` after the label, so they are collated and moved with the batch like ClassifyTask's labels."""
 
     kind = "transcribe"
     metric_names = ("token_accuracy",)
 
     def __init__(self, name: str, audio: Tokenizer, text: TextTokenizer, clips: Sequence[Any],
                  transcripts: Sequence[str], *, weight: float = 1.0, loss_weight: float = 1.0,
-                 task_token: str = "transcribe") -> None:
+                 task_token: str = "transcribe", ctc_weight: float = 0.0) -> None:
         super().__init__(name, weight, loss_weight)
         if len(clips) != len(transcripts) or not len(clips):
             raise ValueError(f"task {name!r}: {len(clips)} clips but {len(transcripts)} transcripts")
+        if not (ctc_weight >= 0 and math.isfinite(ctc_weight)):
+            raise ValueError(f"task {name!r}: ctc_weight must be a finite number >= 0, got {ctc_weight!r}")
         self.audio, self.text, self.clips, self.transcripts = audio, text, clips, transcripts
         self.text_tokenizer = text
         self.task_token = task_token
+        self.ctc_weight = float(ctc_weight)
+        self.ctc_head = f"{name}_ctc"  # the CTC head's name in model.heads (when ctc_weight > 0)
+        if self.ctc_weight > 0:
+            self.metric_names = ("token_accuracy", "ctc_loss")
 
     def tokenizers(self) -> dict[str, Tokenizer]:
         return {"audio": self.audio, "text": self.text}
@@ -401,7 +420,101 @@ class TranscribeTask(_NextTextTokenTask):
     def sample(self, i: int, rng: np.random.Generator) -> Sample:
         key = f"{self.name}/{i}"
         text = self.text.encode(self.transcripts[i], key=key, task=self.task_token)
-        return Sample([self.audio_segment(i), text], key=key, label=self.transcripts[i])
+        audio = self.audio_segment(i)
+        if self.ctc_weight > 0:
+            audio = Segment(audio.modality, audio.tokens, audio.positions, audio.role,
+                            targets=self._ctc_targets(i, len(audio), key), meta=audio.meta)
+        return Sample([audio, text], key=key, label=self.transcripts[i])
+
+    def _ctc_targets(self, i: int, frames: int, key: str) -> Tensor:
+        """(frames,) CTC labels of transcript ``i`` laid along its audio frames, IGNORE_INDEX after them. A
+        label longer than the clip cannot be aligned (and cannot be laid out): warned, and left all
+        IGNORE_INDEX, which the loss reads as "no CTC term" for this sample."""
+        from omni.speech import ctc_labels  # omni.speech (torchaudio) stays off the import path of omni.multitask
+
+        labels = ctc_labels(self.transcripts[i])
+        out = torch.full((frames,), IGNORE_INDEX, dtype=torch.long)
+        if labels.shape[0] > frames:
+            warnings.warn(f"task {self.name!r}: sample {key!r} has {labels.shape[0]} CTC label bytes but only "
+                          f"{frames} audio tokens: trained without its CTC term")
+        else:
+            out[:labels.shape[0]] = labels
+        return out
+
+    def make_heads(self, model: OmniModel) -> dict[str, nn.Module]:
+        from omni.speech import CTC_BLANK
+
+        heads = super().make_heads(model)
+        if self.ctc_weight > 0:
+            # An untied LMHead is a Linear(d, 257) without bias, which the export's "lm" head type rebuilds
+            # (SpeechRecognizer's CTC head, a plain nn.Linear, has no export head type).
+            heads[self.ctc_head] = LMHead(model.trunk_config.d_model, CTC_BLANK + 1)
+        return heads
+
+    def head_specs(self) -> dict[str, dict[str, Any]]:
+        from omni.speech import CTC_BLANK
+
+        specs = super().head_specs()
+        if self.ctc_weight > 0:
+            specs[self.ctc_head] = {"type": "lm", "vocab_size": CTC_BLANK + 1}
+        return specs
+
+    def loss(self, model, hidden, batch, index):
+        loss, metrics = super().loss(model, hidden, batch, index)
+        if self.ctc_weight == 0:
+            return loss, metrics
+        ctc = self.ctc_loss(model, hidden, batch, index)
+        metrics["ctc_loss"] = ctc
+        # the weighting of omni.speech.SpeechLoss, so ctc_weight means the same in both recipes
+        return (1.0 - self.ctc_weight) * loss + self.ctc_weight * ctc, metrics
+
+    # Eager under torch.compile: F.ctc_loss is a dynamic-shape op and needs host lengths (a sync) anyway;
+    # traced, this would break the graph twice and recompile as the segment count changes.
+    @torch.compiler.disable
+    def ctc_loss(self, model: OmniModel, hidden: Tensor, batch: MixedBatch, index: int) -> Tensor:
+        """CTC loss of this task's audio spans in a packed batch: every audio segment's head log-probs padded
+        into (T_max, S, 257) by (frame, segment) index tensors, ``F.ctc_loss`` per segment / label length,
+        averaged over this task's segments that carry labels (infeasible alignments: 0, ``zero_infinity``)."""
+        from omni.speech import CTC_BLANK
+
+        if "audio" not in batch.targets:
+            raise ValueError(f"task {self.name!r} has ctc_weight > 0 but the batch's audio segments carry no CTC "
+                             "labels (targets): build its samples with TranscribeTask.sample")
+        seg = batch.segment_of["audio"]  # (N_a,) audio segment of every audio token, tokens in segment order
+        n_seg = batch.segment_document["audio"].shape[0]
+        frames = torch.zeros(n_seg, dtype=torch.long, device=seg.device).index_add_(0, seg, torch.ones_like(seg))
+        t = torch.arange(seg.shape[0], device=seg.device) - (frames.cumsum(0) - frames)[seg]  # frame in segment
+        targets = batch.targets["audio"].long()
+        mine = batch.segment_task("audio") == index
+        # other tasks' audio segments (their targets are not CTC labels) get an empty label and weight 0
+        lengths = torch.zeros_like(frames).index_add_(0, seg, (targets != IGNORE_INDEX).long()) * mine
+        T = int(frames.max())
+        logp = model.heads[self.ctc_head](OmniModel.gather(hidden, batch, "audio")).float().log_softmax(-1)
+        padded = logp.new_zeros(T, n_seg, logp.shape[-1]).index_put((t, seg), logp)
+        labels = torch.zeros(n_seg, T, dtype=torch.long, device=seg.device).index_put((seg, t), targets.clamp_min(0))
+        per = F.ctc_loss(padded, labels, frames, lengths, blank=CTC_BLANK, reduction="none", zero_infinity=True)
+        return _masked_mean(per / lengths.clamp_min(1), (lengths > 0).float())
+
+    def ctc_transcribe(self, model: OmniModel, indices: Sequence[int] | None = None, *,
+                       batch_size: int = 64) -> list[str]:
+        """Best-path CTC transcripts (``omni.speech.ctc_greedy_decode``) of clips ``indices`` (default all):
+        the audio alone through the trunk, bidirectional over each clip's real frames (padding masked out of
+        the keys), as in a packed training document (the audio never sees its text), then the CTC head."""
+        from omni.speech import ctc_greedy_decode, pad_audio
+
+        idx = list(range(len(self))) if indices is None else [int(i) for i in indices]
+        audio = {i: self.audio_segment(i).tokens for i in idx}
+        order = sorted(set(idx), key=lambda i: audio[i].shape[0])
+        texts: dict[int, str] = {}
+        with _inference(model) as dev:
+            for lo in range(0, len(order), batch_size):
+                chunk = order[lo:lo + batch_size]
+                frames, mask = pad_audio([audio[i] for i in chunk])
+                frames, mask = frames.to(dev), mask.to(dev)
+                positions = torch.arange(frames.shape[1], device=dev).expand(frames.shape[:2])
+                h = model.trunk(model.embedders["audio"](frames), positions, mask[:, None, None, :])
+                texts.update(zip(chunk, ctc_greedy_decode(model.heads[self.ctc_head](h).float(), mask)))
+        return [texts[i] for i in idx]
 
     def transcribe(self, model: OmniModel, indices: Sequence[int] | None = None, *, batch_size: int = 64,
                    use_cache: bool = True, **guards: Any) -> list[str]:
@@ -428,11 +541,16 @@ class TranscribeTask(_NextTextTokenTask):
     def evaluate(self, model: OmniModel, *, batch_size: int = 64, **guards: Any) -> dict[str, float]:
         """Corpus CER and WER of greedy transcripts of every clip (``omni.speech.error_rates``: texts
         normalised by ``normalize_text``, total edits / total reference characters or words), as
-        recipes/whisper.py reports on its test split."""
+        recipes/whisper.py reports on its test split; with a CTC head in ``model`` also ``ctc_cer``, the CER
+        of its best-path transcripts (``ctc_transcribe``), as recipes/whisper.py's ``ctc_cer``."""
         from omni.speech import error_rates
 
         hyps = self.transcribe(model, batch_size=batch_size, **guards)
-        return {**error_rates(list(self.transcripts), hyps), "utterances": float(len(hyps))}
+        out = {**error_rates(list(self.transcripts), hyps), "utterances": float(len(hyps))}
+        if self.ctc_head in model.heads:  # what the audio span alone says, through the CTC head
+            heard = self.ctc_transcribe(model, batch_size=batch_size)
+            out["ctc_cer"] = error_rates(list(self.transcripts), heard)["cer"]
+        return out
 
 
 class PrefixLMTranscriber:
@@ -658,6 +776,8 @@ class MultitaskModel(nn.Module):
         self.omni = OmniModel(merge_tokenizers(tasks), trunk)
         for t in tasks:
             for name, head in t.make_heads(self.omni).items():
+                if name in self.omni.heads:  # e.g. a task named "asr_ctc" next to asr's CTC head
+                    raise ValueError(f"task {t.name!r} makes a head {name!r} that another task already made")
                 self.omni.heads[name] = head
 
     def export_config(self) -> dict[str, Any]:

@@ -33,7 +33,9 @@ Tasks (``tasks`` config entry; ``weight`` = sampling weight, ``loss_weight`` = f
                     ``patch`` px -> mean-pooled classification head. (A caption-style prefix-LM target would
                     also work; a head keeps the metric comparable with recipes/vit.py.)
   asr    transcribe eSpeak NG speech of public-domain Austen sentences -> [audio, <bos><|transcribe|> text
-                    <eos>] as a prefix-LM -> LM head tied to the text embedding. Default source
+                    <eos>] as a prefix-LM -> LM head tied to the text embedding, plus a byte-level CTC head on
+                    the audio span (``ctc_weight`` 0.3, as recipes/whisper.py: without it the text part can
+                    learn the language and ignore the audio; 0 = no CTC head). Default source
                     ``speech-shards``: recipes/whisper.py's own dataset (``shards``, data/speech-synth, built
                     with its settings if missing), so both train and score on the same clips; the tiny preset
                     synthesises a few dozen clips itself (``speech-synth``).
@@ -62,7 +64,7 @@ omni/multitask.py):
 
   image  top-1 accuracy on the Fashion-MNIST test split (all 10k; ``limit_eval`` cuts it)   = recipes/vit.py
   asr    CER / WER of greedy transcripts of the test clips, omni.speech.greedy_decode's rules and
-         normalize_text (KV-cached prefix-LM decoding)                                       = recipes/whisper.py
+         normalize_text (KV-cached prefix-LM decoding), and the CTC head's best-path CER     = recipes/whisper.py
   rl     rollouts in the env, target return = the dataset's expert reference, ``eval_seeds`` seeds
          (10000..), normalised score 100 (R - R_random) / (R_expert - R_random)  = recipes/decision_transformer.py
   text   held-out token perplexity and bits per UTF-8 byte (no single-task recipe; the LM baseline is ``only``)
@@ -121,7 +123,7 @@ TASKS: dict[str, dict[str, Any]] = {
     "image": dict(kind="classify", source="fashion-mnist", weight=1.0, patch=4, limit_train=None, limit_eval=None),
     # recipes/whisper.py's dataset and decoding limit (max_new_tokens), so CER/WER compare on the same clips
     "asr": dict(kind="transcribe", source="speech-shards", weight=1.0, shards="data/speech-synth",
-                build=dict(train=20000, test=500), max_new_tokens=224, eval_batch_size=64),
+                build=dict(train=20000, test=500), max_new_tokens=224, eval_batch_size=64, ctc_weight=0.3),
     "rl": dict(kind="action", source="gym", env="CartPole-v1", episodes=1000, mix=None, context=20, weight=0.5,
                reference_episodes=10, eval_seeds=5, target=None),  # target None: the expert reference
     "text": dict(kind="lm", source="austen", weight=1.0, max_tokens=256, eval_fraction=0.02, limit=None),
@@ -129,7 +131,7 @@ TASKS: dict[str, dict[str, Any]] = {
 # Speech synthesised by the recipe itself (a few dozen clips for the tiny preset; no shards written).
 SYNTH_ASR = dict(kind="transcribe", source="speech-synth", weight=1.0, train=20000, test=500, max_words=25,
                  voices=["en-us", "en", "en-us+f3", "en+m3", "en-gb-x-rp"], rates=[140, 210], max_new_tokens=224,
-                 eval_batch_size=64)
+                 eval_batch_size=64, ctc_weight=0.3)
 COMMON = dict(
     out="runs/multimodal", cache="data/multimodal", tasks=TASKS, extra_tasks={}, weights={},
     trunk="S", trunk_overrides={}, positions="rope2d",
@@ -389,7 +391,8 @@ def build_tasks(cfg: dict) -> dict[str, list[Task]]:
             audio, text = AudioTokenizer(), text or _text_tokenizer()
             build = speech_synth if source == "speech-synth" else speech_shards
             for split, (clips, transcripts) in build(spec, cache, audio, seed).items():
-                out[split].append(TranscribeTask(name, audio, text, clips, transcripts, weight=w, loss_weight=lw))
+                out[split].append(TranscribeTask(name, audio, text, clips, transcripts, weight=w, loss_weight=lw,
+                                                 ctc_weight=float(spec.get("ctc_weight", 0.0))))
         elif kind == "action" and source == "gym":
             episodes, tok, reference = gym_episodes(spec, cache, seed)
             for split, eps in episodes.items():
@@ -473,8 +476,8 @@ def results_table(results: dict[str, dict[str, float]], tasks: list[Task]) -> st
             row = ("top-1 accuracy (%)", f"{100 * r['accuracy']:.2f}", f"loss {r['loss']:.4f}",
                    f"{r['items']:.0f} test items")
         elif t.kind == "transcribe":
-            row = ("CER (%)", f"{100 * r['cer']:.2f}", f"WER {100 * r['wer']:.2f}%",
-                   f"{r['utterances']:.0f} test utterances, greedy")
+            also = f"WER {100 * r['wer']:.2f}%" + (f", CTC CER {100 * r['ctc_cer']:.2f}%" if "ctc_cer" in r else "")
+            row = ("CER (%)", f"{100 * r['cer']:.2f}", also, f"{r['utterances']:.0f} test utterances, greedy")
         elif t.kind == "action":
             row = ("normalised score", f"{r['score_mean']:.1f} ± {r['score_std']:.1f}",
                    f"return {r['return_mean']:.1f} ± {r['return_std']:.1f} at target {r['target']:.1f}",

@@ -3,7 +3,8 @@ recognition, offline RL and text LM at once, every batch packing all four; packe
 (prefix-LM included); per-task metrics in TensorBoard; a plug-in modality joins by config only; 2 gloo ranks
 end with identical parameters. Task metrics as the single-task recipes measure them: image accuracy and text
 perplexity == a per-item computation; prefix-LM greedy decoding with the KV cache == the packed forward, and
-recovers overfit transcripts exactly (CER 0); rollouts through the shared trunk == re-encoding per step; the
+recovers overfit transcripts exactly (CER 0); the optional CTC head reads each clip's own audio span of a packed
+batch and round-trips through the export; rollouts through the shared trunk == re-encoding per step; the
 tiny preset prints one table row per task; ``only`` trains one task through the same recipe.
 
     torchrun --standalone --nproc-per-node 2 tests/test_multimodal.py CACHE OUT    # the 2-rank worker
@@ -91,6 +92,8 @@ def test_mixed_batch_packs_every_modality_and_task(tiny):
     doc = int((batch.document_task == asr).nonzero()[0])
     where = batch.document == doc
     assert batch.causal[where].float().mean() < 1 and batch.causal[where].any()
+    # the recipe's asr task trains a CTC head too: its byte labels ride along as the audio targets
+    assert task_named(train.tasks, "asr").ctc_weight == 0.3 and "audio" in batch.targets
     # deterministic per (seed, epoch, index, rank); ranks and indices differ
     assert train.batch(0, 0).keys == batch.keys
     assert train.batch(0, 1).keys != batch.keys
@@ -183,8 +186,10 @@ def test_tiny_preset_trains_every_task_with_per_task_metrics(cache, tmp_path, ca
         for name in ("loss", "token_share", "documents"):
             assert f"train/{t}/{name}" in metrics and np.isfinite(metrics[f"train/{t}/{name}"])
         assert f"eval/{t}/loss" in metrics and np.isfinite(metrics[f"eval/{t}/loss"])
-    assert {"train/image/accuracy", "train/rl/accuracy", "train/asr/token_accuracy", "train/text/token_accuracy"} \
-        <= set(metrics)
+    assert {"train/image/accuracy", "train/rl/accuracy", "train/asr/token_accuracy", "train/text/token_accuracy",
+            "train/asr/ctc_loss", "eval/asr/ctc_loss"} <= set(metrics)
+    assert 0 <= r["asr"]["ctc_cer"] and metrics["eval/asr/test_ctc_cer"] == pytest.approx(r["asr"]["ctc_cer"], rel=1e-6)
+    assert "CTC CER" in rows[2].split("|")[4]
     logged = scalars(out)  # the per-task curves are in TensorBoard
     # Every task learns. Measured (60 steps, 2 x 512 tokens): image 2.29 -> 1.81, asr 8.9 -> 5.0,
     # rl 0.69 -> 0.64 (CartPole; RL-only batches reach 0.54), text 8.9 -> 6.4.
@@ -202,8 +207,9 @@ def test_tiny_preset_trains_every_task_with_per_task_metrics(cache, tmp_path, ca
     from omni.export import load_pretrained
 
     model = load_pretrained(out / "final")
-    assert set(model.heads) == set(TASKS) and set(model.embedders) == MODALITIES
+    assert set(model.heads) == {*TASKS, "asr_ctc"} and set(model.embedders) == MODALITIES
     assert model.heads["asr"].proj.weight is model.embedders["text"].token.weight
+    assert model.heads["asr_ctc"].proj.weight.shape == (257, model.trunk_config.d_model)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -394,6 +400,186 @@ def test_speech_shards_source_reads_the_whisper_dataset(tmp_path):
         assert len(asr) == n and list(asr.transcripts) == [t for b in loader for t in b]
         assert all(len(asr.audio_segment(i)) > 20 for i in range(n))
     assert len(list((tmp_path / "cache").glob("speech-shards-*.pt"))) == 1  # encoded once, cached
+
+
+# ----------------------------------------------------------------------------------------------------
+# Hybrid CTC/attention for the prefix-LM ASR task (synthetic log-mel tokens: no data, fast)
+
+CTC_TEXTS = ["The cat sat.", "A red ball!", "Where is my hat?"]
+
+
+@pytest.fixture(scope="module")
+def speech_toks():
+    from omni.tokenizers.audio import AudioTokenizer
+    from omni.tokenizers.text import TextTokenizer
+
+    return AudioTokenizer(), TextTokenizer()
+
+
+def audio_clip(audio, n: int, seed: int):
+    from omni.segment import Segment
+
+    g = torch.Generator().manual_seed(seed)
+    return Segment("audio", torch.randn(n, audio.n_mels * audio.kernel, generator=g), torch.arange(n), audio.role)
+
+
+def ctc_model(speech_toks, ctc_weight: float, frames=(60, 45, 52), texts=CTC_TEXTS):
+    """(asr task, text task, model): three synthetic clips, an LM task beside them, a tiny trunk (seed 0)."""
+    audio, text = speech_toks
+    clips = [audio_clip(audio, n, seed) for seed, n in enumerate(frames)]
+    asr = TranscribeTask("asr", audio, text, clips, texts, ctc_weight=ctc_weight)
+    lm = LMTask("text", text, ["Some words of a paragraph.", "More text here, and more."])
+    torch.manual_seed(0)
+    return asr, lm, MultitaskModel([asr, lm], preset_tiny())
+
+
+def ctc_reference(model, asr, hidden, batch, docs):
+    """Mean over asr documents ``docs`` of F.ctc_loss / label length, each read straight off its own audio span
+    (the first tokens of its document in the packed row), one document at a time: no padding, no indices."""
+    from omni.speech import CTC_BLANK, ctc_labels
+
+    per = []
+    for d, i in docs:
+        n = len(asr.audio_segment(i))
+        h = hidden[batch.document == d][:n]  # the document's tokens in row order: its audio span comes first
+        lp = model.omni.heads["asr_ctc"](h).float().log_softmax(-1)[:, None]  # (n, 1, 257)
+        ids = ctc_labels(asr.transcripts[i])[None]
+        nll = F.ctc_loss(lp, ids, torch.tensor([n]), torch.tensor([ids.shape[1]]), blank=CTC_BLANK,
+                         reduction="sum", zero_infinity=True)
+        per.append(nll / ids.shape[1])
+    return torch.stack(per).mean()
+
+
+def test_ctc_weight_zero_is_the_plain_prefix_lm(speech_toks):
+    """ctc_weight=0 (the default): no CTC head, no labels on the audio, today's parameters and metrics; > 0 adds
+    exactly one head (Linear d -> 257, untied) and leaves every other parameter as it was."""
+    from omni.speech import CTC_BLANK
+
+    asr, lm, plain = ctc_model(speech_toks, 0.0)
+    audio, text = speech_toks
+    torch.manual_seed(0)
+    default = MultitaskModel([TranscribeTask("asr", audio, text, asr.clips, asr.transcripts), lm], preset_tiny())
+    assert set(plain.omni.heads) == set(default.omni.heads) == {"asr", "text"}
+    assert plain.export_config()["heads"] == default.export_config()["heads"]
+    a, b = plain.state_dict(), default.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert asr.metric_names == ("token_accuracy",) and asr.sample(0, None).segments[0].targets is None
+    batch = pack_mixed([asr.sample(0, None), lm.sample(0, None)], [0, 1], ("asr", "text"))
+    _, metrics = plain(batch)
+    assert "audio" not in batch.targets and "asr/ctc_loss" not in metrics
+
+    asr_ctc, _, model = ctc_model(speech_toks, 0.3)
+    assert asr_ctc.metric_names == ("token_accuracy", "ctc_loss")
+    assert set(model.omni.heads) == {"asr", "asr_ctc", "text"}
+    head = model.omni.heads["asr_ctc"].proj
+    assert head.weight.shape == (CTC_BLANK + 1, model.omni.trunk_config.d_model) and head.bias is None
+    assert head.weight is not model.omni.embedders["text"].token.weight
+    assert model.export_config()["heads"]["asr_ctc"] == {"type": "lm", "vocab_size": 257}
+    c = model.state_dict()
+    assert set(c) - set(a) == {"omni.heads.asr_ctc.proj.weight"} and set(a) <= set(c)
+    assert all(torch.equal(a[k], c[k]) for k in a)  # the head is made last: the rest is the plain model
+    with pytest.raises(ValueError, match="ctc_weight"):
+        TranscribeTask("asr", audio, text, asr.clips, asr.transcripts, ctc_weight=-0.1)
+
+
+def test_ctc_loss_reads_each_asr_audio_span_of_a_packed_batch(speech_toks):
+    """Two clips of different lengths packed in one row with a text document between them: the task's CTC term
+    equals F.ctc_loss on each clip's own audio hidden states (nothing of the other documents, no padding), its
+    labels the normalised transcript's bytes, and the task loss = 0.7 x text cross-entropy + 0.3 x CTC."""
+    from omni.speech import ctc_labels
+    from omni.tokenizers.text import IGNORE_INDEX
+
+    asr, lm, model = ctc_model(speech_toks, 0.3)
+    _, _, plain = ctc_model(speech_toks, 0.0)  # same seed: the same parameters but the CTC head
+    samples = [asr.sample(0, None), lm.sample(1, None), asr.sample(1, None)]
+    batch = pack_mixed(samples, [0, 1, 0], ("asr", "text"), row_length=256, rows=[[0, 1, 2]])
+    assert batch.shape == (1, 256) and batch.document[0, :60].eq(0).all() and batch.num_documents == 3
+    labels = batch.targets["audio"]
+    for seg, (i, n) in enumerate([(0, 60), (1, 45)]):
+        want = ctc_labels(CTC_TEXTS[i])
+        mine = labels[batch.segment_of["audio"] == seg]
+        assert mine.shape == (n,) and torch.equal(mine[:len(want)], want) and (mine[len(want):] == IGNORE_INDEX).all()
+    assert bytes(ctc_labels(CTC_TEXTS[1]).tolist()) == b"a red ball"
+    loss, metrics = model(batch)
+    hidden = model.omni(batch)
+    ref = ctc_reference(model, asr, hidden, batch, [(0, 0), (2, 1)])
+    assert 10 < ref.item() < 60  # untrained: ~ (frames / label bytes) x ln 257 per byte
+    torch.testing.assert_close(metrics["asr/ctc_loss"], ref.detach(), rtol=1e-5, atol=1e-5)
+    _, plain_metrics = plain(batch)
+    torch.testing.assert_close(metrics["asr/loss"], 0.7 * plain_metrics["asr/loss"] + 0.3 * ref.detach(), rtol=1e-5,
+                               atol=1e-5)
+    torch.testing.assert_close(metrics["text/loss"], plain_metrics["text/loss"], rtol=0, atol=0)
+    torch.testing.assert_close(loss.detach(), metrics["asr/loss"] + metrics["text/loss"], rtol=1e-6, atol=1e-6)
+    # Gradients reach the CTC head, and the audio embedder through the trunk, as the per-clip reference's do.
+    head = model.omni.heads["asr_ctc"].proj.weight
+    embed = next(model.omni.embedders["audio"].parameters())
+    got = torch.autograd.grad(asr.ctc_loss(model.omni, hidden, batch, 0), [head, embed], retain_graph=True)
+    want = torch.autograd.grad(ref, [head, embed])
+    for g, w in zip(got, want):
+        assert torch.isfinite(g).all() and g.abs().sum() > 0
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-6)
+    model.zero_grad()
+    loss.backward()
+    assert head.grad is not None and head.grad.abs().sum() > 0
+
+
+def test_ctc_unalignable_samples_warn_and_stay_finite(speech_toks):
+    """A clip with fewer audio tokens than label bytes is named in a warning and trains without a CTC term; one
+    long enough in tokens but not for its repeats (a blank must separate "aa") costs 0 (zero_infinity) and
+    counts in the mean, as F.ctc_loss's own "mean" counts it."""
+    asr, lm, model = ctc_model(speech_toks, 0.3, frames=(60, 8, 2), texts=[CTC_TEXTS[0], "far too long", "aa"])
+    with pytest.warns(UserWarning, match="'asr/1' has 12 CTC label bytes but only 8 audio tokens"):
+        short = asr.sample(1, None)
+    assert (short.segments[0].targets == -100).all()
+    batch = pack_mixed([asr.sample(0, None), short, asr.sample(2, None), lm.sample(0, None)], [0, 0, 0, 1],
+                       ("asr", "text"))
+    loss, metrics = model(batch)
+    hidden = model.omni(batch)
+    ref = ctc_reference(model, asr, hidden, batch, [(0, 0)])
+    assert torch.isfinite(loss) and torch.isfinite(metrics["asr/ctc_loss"])
+    torch.testing.assert_close(metrics["asr/ctc_loss"], ref.detach() / 2, rtol=1e-5, atol=1e-5)
+    loss.backward()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+
+
+def test_ctc_head_export_round_trip_and_ctc_cer(speech_toks, tmp_path):
+    """The CTC head is rebuilt from the export's head specs with the same weights (same CTC loss on a batch);
+    ``evaluate`` adds ``ctc_cer``: the CER of best-path decoding of clips padded together (by length), equal
+    to decoding each clip's packed forward alone."""
+    from omni.export import load_pretrained, save_pretrained
+    from omni.multitask import merge_tokenizers
+    from omni.segment import Sample
+    from omni.speech import ctc_greedy_decode, error_rates
+
+    asr, lm, model = ctc_model(speech_toks, 0.3)
+    torch.nn.init.normal_(model.omni.heads["asr_ctc"].proj.weight, std=0.5)  # a head that says something
+    save_pretrained(model.omni, tmp_path / "final", model.export_config(), tokenizers=merge_tokenizers([asr, lm]))
+    loaded = load_pretrained(tmp_path / "final")
+    assert set(loaded.heads) == {"asr", "asr_ctc", "text"}
+    assert loaded.heads["asr"].proj.weight is loaded.embedders["text"].token.weight
+    assert loaded.heads["asr_ctc"].proj.weight is not loaded.embedders["text"].token.weight
+    a, b = model.omni.state_dict(), loaded.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    batch = pack_mixed([asr.sample(i, None) for i in range(3)], [0, 0, 0], ("asr", "text"))
+    model.eval()
+    with torch.no_grad():
+        before = asr.ctc_loss(model.omni, model.omni(batch), batch, 0)
+        after = asr.ctc_loss(loaded, loaded(batch), batch, 0)
+    torch.testing.assert_close(after, before, rtol=0, atol=0)
+
+    alone = []
+    with torch.no_grad():
+        for i in range(3):
+            one = pack_mixed([Sample([asr.audio_segment(i)], key=f"asr/{i}")], [0], ("asr",))
+            h = loaded.heads["asr_ctc"](loaded(one)[0, :len(asr.audio_segment(i))])
+            alone.extend(ctc_greedy_decode(h[None]))
+    assert loaded.heads["asr_ctc"] is not None and asr.ctc_transcribe(loaded, batch_size=3) == alone
+    assert len(set(alone)) == 3 and min(map(len, alone)) > 5, alone  # real (random) transcripts, all different
+    got = asr.evaluate(loaded, batch_size=2, max_new_tokens=4)
+    assert set(got) == {"cer", "wer", "utterances", "ctc_cer"}
+    assert got["ctc_cer"] == error_rates(CTC_TEXTS, alone)["cer"] and got["ctc_cer"] > 0
+    plain_asr, _, plain = ctc_model(speech_toks, 0.0)
+    assert "ctc_cer" not in plain_asr.evaluate(plain.omni, batch_size=3, max_new_tokens=4)
 
 
 # ----------------------------------------------------------------------------------------------------
