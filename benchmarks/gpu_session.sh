@@ -42,6 +42,25 @@ install_austen() {  # the speech builder's corpus, from a carried copy when the 
     fi
 }
 
+pendulum_variants() {  # LIMIT_S "NAME --preset P k=v ..." ...: Pendulum DT runs side by side on the one GPU
+    # (the common settings in the caller's array `common`), then each run's table into the stage log
+    local limit=$1 v name p
+    shift
+    local runs=("$@")  # `set --` below rewrites the positional parameters
+    for v in "${runs[@]}"; do
+        set -- $v
+        name=$1 p=$3; shift 3
+        OMP_NUM_THREADS=2 timeout "$limit" python recipes/decision_transformer.py --preset "$p" \
+            --out "/tmp/pendulum-$name" "${common[@]}" "$@" > "/tmp/pendulum-$name.log" 2>&1 &
+    done
+    wait
+    for v in "${runs[@]}"; do
+        set -- $v
+        { echo "== pendulum-$v"; grep -v "^step" "/tmp/pendulum-$1.log" | tail -n 8; } | tee -a "$out/$stage.log"
+        cp "/tmp/pendulum-$1/results.json" "$out/pendulum_$1.json"
+    done
+}
+
 case "$stage" in
 tests)
     run python -m pytest -q tests/test_cuda_graphs.py tests/test_whisper_decode_graph.py tests/test_trunk.py
@@ -93,19 +112,8 @@ pendulum-sweep)
     variants=("a --preset dt steps=40000" "b --preset dt steps=30000 action_dropout=0.5"
               "c --preset dt steps=30000 action_dropout=0.9" "d --preset dt steps=30000 context=5"
               "e --preset dt steps=30000 context=1" "f --preset dt-large steps=20000 lr=3e-4")
-    for v in "${variants[@]}"; do
-        set -- $v
-        name=$1 p=$3; shift 3
-        OMP_NUM_THREADS=2 timeout 430 python recipes/decision_transformer.py --preset "$p" --out "/tmp/pendulum-$name" \
-            "${common[@]}" "$@" > "/tmp/pendulum-$name.log" 2>&1 &
-    done
+    pendulum_variants 430 "${variants[@]}"
     wait "$builder"
-    wait
-    for v in "${variants[@]}"; do
-        set -- $v
-        { echo "== pendulum-$v"; grep -v "^step" "/tmp/pendulum-$1.log" | tail -n 12; } | tee -a "$out/$stage.log"
-        cp "/tmp/pendulum-$1/results.json" "$out/pendulum_$1.json"
-    done
     ;;
 pendulum-ad)
     # follow-up of pendulum-sweep (needs its data/gym-Pendulum-v1): action dropout rates, seeds, context, trunk
@@ -114,18 +122,7 @@ pendulum-ad)
     variants=("g --preset dt action_dropout=0.3" "h --preset dt action_dropout=0.7"
               "i --preset dt action_dropout=0.5 train_seeds=[1]" "j --preset dt action_dropout=0.5 context=10"
               "k --preset dt-large action_dropout=0.5 lr=3e-4 steps=15000" "l --preset dt action_dropout=0.5 dropout=0.0")
-    for v in "${variants[@]}"; do
-        set -- $v
-        name=$1 p=$3; shift 3
-        OMP_NUM_THREADS=2 timeout 330 python recipes/decision_transformer.py --preset "$p" --out "/tmp/pendulum-$name" \
-            "${common[@]}" "$@" > "/tmp/pendulum-$name.log" 2>&1 &
-    done
-    wait
-    for v in "${variants[@]}"; do
-        set -- $v
-        { echo "== pendulum-$v"; grep -v "^step" "/tmp/pendulum-$1.log" | tail -n 6; } | tee -a "$out/$stage.log"
-        cp "/tmp/pendulum-$1/results.json" "$out/pendulum_$1.json"
-    done
+    pendulum_variants 330 "${variants[@]}"
     ;;
 multimodal-small)
     # #5 equal compute on the GPU: the joint 4-task run and the four single-task runs (`only`), small preset,
