@@ -1,6 +1,7 @@
 """ViT-B/16 training/inference throughput: omni vs timm vs torchvision, side by side in one process.
 
   python benchmarks/vit_throughput.py [--batch 256] [--steps 15] [--only omni,timm,torchvision] [--profile]
+      [--modes eager,compile,max-autotune-no-cudagraphs] [--inductor coordinate_descent_tuning=True]
 
 Random data, 224px, 1000 classes, bf16 autocast, fused AdamW, step = forward + backward + optimizer;
 median step time after warm-up. MFU against a measured bf16 matmul peak (8192^3 GEMM).
@@ -115,6 +116,21 @@ def bench(name: str, mode: str, batch: int, steps: int, profile: bool = False) -
     return out[0], out[1]
 
 
+def set_inductor_option(name: str, value: str) -> None:
+    """torch._inductor.config.<name> = literal_eval(value); an unknown name is an error, not a silent no-op."""
+    import ast
+
+    import torch._inductor.config as config
+
+    *path, leaf = name.strip().split(".")
+    target = config
+    for part in path:
+        target = getattr(target, part)
+    if not hasattr(target, leaf):
+        raise SystemExit(f"--inductor: torch._inductor.config has no option {name!r}")
+    setattr(target, leaf, ast.literal_eval(value.strip()))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", type=int, default=256)
@@ -123,7 +139,12 @@ def main() -> None:
     ap.add_argument("--modes", default="eager,compile")
     ap.add_argument("--sdpa", default="default", help="default, or a priority list e.g. cudnn,flash,efficient")
     ap.add_argument("--profile", action="store_true", help="after timing, a kernel-time breakdown of the train step")
+    ap.add_argument("--inductor", default="", help="torch._inductor.config settings for the compiled modes, e.g. "
+                    "coordinate_descent_tuning=True,epilogue_fusion=True (Python literals; dotted names reach "
+                    "sub-configs such as triton.cudagraphs)")
     args = ap.parse_args()
+    for item in filter(None, args.inductor.split(",")):
+        set_inductor_option(*item.split("=", 1))
     if args.sdpa != "default":
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -138,7 +159,8 @@ def main() -> None:
         for mode in args.modes.split(","):
             train, infer = bench(name, mode, args.batch, args.steps, args.profile)
             mfu = train * 3 * VIT_B16_GFLOP_FWD * 1e9 / (peak * 1e12)
-            print(f"| {name} | {mode} (sdpa {args.sdpa}) | {train:,.0f} | {mfu:.1%} | {infer:,.0f} |", flush=True)
+            extra = f", inductor {args.inductor}" if args.inductor and mode != "eager" else ""
+            print(f"| {name} | {mode} (sdpa {args.sdpa}{extra}) | {train:,.0f} | {mfu:.1%} | {infer:,.0f} |", flush=True)
 
 
 if __name__ == "__main__":
