@@ -143,7 +143,8 @@ multimodal-small)
     for only in all image asr rl text; do
         extra=(); [ "$only" = all ] || extra=("only='$only'")
         OMP_NUM_THREADS=2 timeout 480 python recipes/multimodal.py --preset small --out "/tmp/mm-$only" --set steps=$steps \
-            warmup_steps=300 eval_every=1000 checkpoint_every=0 progress=False workers=2 report_to=none log_every=250 \
+            warmup_steps=300 eval_every=1000 eval_tasks=end checkpoint_every=0 progress=False workers=2 report_to=none \
+            log_every=250 \
             "${extra[@]}" > "/tmp/mm-$only.log" 2>&1 &
     done
     wait
