@@ -92,7 +92,7 @@ def test_mixed_batch_packs_every_modality_and_task(tiny):
     doc = int((batch.document_task == asr).nonzero()[0])
     where = batch.document == doc
     assert batch.causal[where].float().mean() < 1 and batch.causal[where].any()
-    # the recipe's asr task trains a CTC head too: its byte labels ride along as the audio targets
+    # the tiny preset's asr task trains a CTC head too: its byte labels ride along as the audio targets
     assert task_named(train.tasks, "asr").ctc_weight == 0.3 and "audio" in batch.targets
     # deterministic per (seed, epoch, index, rank); ranks and indices differ
     assert train.batch(0, 0).keys == batch.keys
