@@ -301,3 +301,21 @@ def test_tiny_preset_learns_and_recipe_runs_end_to_end(tmp_path):
         assert r["score_mean"] == pytest.approx(float(normalized_score(r["return_mean"], ref["random"], 500.0)))
     assert "| dt | 500.0 |" in out["table"] and "| fbc | - |" in out["table"]
     assert [r["episodes"] for r in out["runs"]] == [10, 10, 1]  # fbc: top 10% of 10 episodes
+
+
+def test_cuda_graph_auto_means_one_cuda_process():
+    from types import SimpleNamespace
+
+    recipe = load_recipe()
+    assert recipe.COMMON["cuda_graph"] == "auto"
+
+    def state(device, n):
+        return SimpleNamespace(device=torch.device(device), num_processes=n)
+
+    assert recipe.use_cuda_graph({"cuda_graph": "auto"}, state("cuda", 1)) is True
+    assert recipe.use_cuda_graph({"cuda_graph": "auto"}, state("cuda", 2)) is False
+    assert recipe.use_cuda_graph({"cuda_graph": "auto"}, state("cpu", 1)) is False
+    assert recipe.use_cuda_graph({"cuda_graph": False}, state("cuda", 1)) is False
+    with pytest.raises(ValueError, match="cuda_graph"):
+        recipe.use_cuda_graph({"cuda_graph": "yes"}, state("cuda", 1))
+
