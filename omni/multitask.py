@@ -500,39 +500,42 @@ class TranscribeTask(_NextTextTokenTask):
         """Best-path CTC transcripts (``omni.speech.ctc_greedy_decode``) of clips ``indices`` (default all):
         the audio alone through the trunk, bidirectional over each clip's real frames (padding masked out of
         the keys), as in a packed training document (the audio never sees its text), then the CTC head."""
-        from omni.speech import ctc_greedy_decode, pad_audio
+        from omni.speech import ctc_greedy_decode
 
         idx = list(range(len(self))) if indices is None else [int(i) for i in indices]
-        audio = {i: self.audio_segment(i).tokens for i in idx}
-        order = sorted(set(idx), key=lambda i: audio[i].shape[0])
         texts: dict[int, str] = {}
         with _inference(model) as dev:
-            for lo in range(0, len(order), batch_size):
-                chunk = order[lo:lo + batch_size]
-                frames, mask = pad_audio([audio[i] for i in chunk])
-                frames, mask = frames.to(dev), mask.to(dev)
+            for chunk, frames, mask in self._audio_batches(idx, batch_size, dev):
                 positions = torch.arange(frames.shape[1], device=dev).expand(frames.shape[:2])
                 h = model.trunk(model.embedders["audio"](frames), positions, mask[:, None, None, :])
                 texts.update(zip(chunk, ctc_greedy_decode(model.heads[self.ctc_head](h).float(), mask)))
         return [texts[i] for i in idx]
+
+    def _audio_batches(self, indices: Sequence[int], batch_size: int,
+                       device: torch.device) -> Iterator[tuple[list[int], Tensor, Tensor]]:
+        """(clip indices, right-padded audio tokens (B, S, F), mask (B, S)) on ``device``, ``batch_size`` clips
+        at a time, sorted by length (little padding); each clip once."""
+        from omni.speech import pad_audio  # decoding is not on the training import path
+
+        audio = {i: self.audio_segment(i).tokens for i in indices}
+        order = sorted(audio, key=lambda i: audio[i].shape[0])
+        for lo in range(0, len(order), batch_size):
+            chunk = order[lo:lo + batch_size]
+            frames, mask = pad_audio([audio[i] for i in chunk])
+            yield chunk, frames.to(device), mask.to(device)
 
     def transcribe(self, model: OmniModel, indices: Sequence[int] | None = None, *, batch_size: int = 64,
                    use_cache: bool = True, **guards: Any) -> list[str]:
         """Greedy transcripts of clips ``indices`` (default all), by ``omni.speech.greedy_decode`` with its
         defaults (max_new_tokens 224, 25 tokens/s + 8 per clip, repetition guard) unless ``guards`` say
         otherwise. Clips are sorted by length and decoded ``batch_size`` at a time (little padding)."""
-        from omni.speech import greedy_decode, pad_audio  # decoding is not on the training import path
+        from omni.speech import greedy_decode  # decoding is not on the training import path
 
         idx = list(range(len(self))) if indices is None else [int(i) for i in indices]
-        audio = {i: self.audio_segment(i).tokens for i in idx}
-        order = sorted(set(idx), key=lambda i: audio[i].shape[0])
         texts: dict[int, str] = {}
         with _inference(model) as dev:
             decoder = PrefixLMTranscriber(model, self)
-            for lo in range(0, len(order), batch_size):
-                chunk = order[lo:lo + batch_size]
-                frames, mask = pad_audio([audio[i] for i in chunk])
-                frames, mask = frames.to(dev), mask.to(dev)
+            for chunk, frames, mask in self._audio_batches(idx, batch_size, dev):
                 ids = greedy_decode(decoder, decoder.encode(frames, mask), mask, use_cache=use_cache,
                                     check_every=8 if use_cache else 1, **guards)
                 texts.update(zip(chunk, (self.text.decode(row) for row in ids)))
