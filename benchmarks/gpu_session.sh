@@ -8,8 +8,9 @@
 #   dt        benchmarks/dt_throughput.py            bar: omni compile+graph >= 2.5x HF compiled (#7)
 #   whisper   benchmarks/whisper_throughput.py       bars: train >= 1.3x HF compiled, decode >= 25k tok/s (#6)
 #   packing   benchmarks/multimodal_packing.py       bar: packed Flex >= 1.5x padded SDPA useful tok/s (#5)
-#   vit       benchmarks/vit_throughput.py: omni vs timm compiled, omni with inductor's coordinate-descent
-#             tuning, and under max-autotune (#4)
+#   vit       benchmarks/vit_throughput.py: omni vs timm compiled, and omni under max-autotune with inductor's
+#             coordinate-descent tuning (#4)
+#   vit-peers-autotune  timm under the same max-autotune settings, omni compiled with coordinate descent only
 #   pendulum  recipes/decision_transformer.py on Pendulum-v1, DT only, default 10k steps (#7 quality)
 #   bench     CUDA tests + the Trainer's cuda_graph path on the GPU + Whisper decode (each with a time limit)
 #   whisper-quality  recipes/whisper.py --preset base (hybrid CTC/attention) on the synthesized speech (#6 quality)
@@ -79,9 +80,14 @@ vit)
     # session 4's profile: GEMMs 54%, fused elementwise 18%, attention 12%, norms 9%; the levers left are inductor's
     # GEMM templates with fused epilogues (max-autotune) and its tuned elementwise/reduction kernels
     run timeout 150 python benchmarks/vit_throughput.py --only omni,timm --modes compile
-    run timeout 120 python benchmarks/vit_throughput.py --only omni --modes compile --inductor coordinate_descent_tuning=True
     run timeout 280 python benchmarks/vit_throughput.py --only omni --modes max-autotune-no-cudagraphs \
         --inductor coordinate_descent_tuning=True
+    ;;
+vit-peers-autotune)
+    # the same inductor settings for timm (a mode that wins for omni is compared against timm in that mode too)
+    run timeout 280 python benchmarks/vit_throughput.py --only timm --modes max-autotune-no-cudagraphs \
+        --inductor coordinate_descent_tuning=True
+    run timeout 120 python benchmarks/vit_throughput.py --only omni --modes compile --inductor coordinate_descent_tuning=True
     ;;
 bench)
     run timeout 150 python -m pytest -q -x tests/test_cuda_graphs.py tests/test_whisper_decode_graph.py tests/test_train_graph.py
@@ -163,7 +169,7 @@ pendulum)
         --set "methods=['dt']" "target_fractions=[1.0,0.75,0.5,0.25,0.0]" progress=False log_every=1000
     ;;
 *)
-    echo "unknown stage $stage (tests, dt, whisper, packing, vit, pendulum, bench, whisper-quality, pendulum-sweep, pendulum-ad, multimodal-small, finish)" >&2
+    echo "unknown stage $stage (tests, dt, whisper, packing, vit, vit-peers-autotune, pendulum, bench, whisper-quality, pendulum-sweep, pendulum-ad, multimodal-small, finish)" >&2
     exit 2
     ;;
 esac
