@@ -10,15 +10,31 @@ from typing import Any, Iterable, Mapping
 
 def apply_overrides(cfg: dict[str, Any], items: Iterable[str]) -> dict[str, Any]:
     """Apply ``--set key=value`` items in place: values are Python literals (``lr=3e-4``, ``methods=['dt']``,
-    ``limit=None``), anything else stays a string. Unknown keys raise ValueError listing the known ones."""
+    ``limit=None``), anything else stays a string. A dotted key sets one entry of a nested dict
+    (``tasks.text.loss_weight=2``) and leaves its siblings alone. Unknown keys raise ValueError listing the
+    known ones at that level."""
     for item in items:
         key, sep, value = item.partition("=")
-        if not sep or key not in cfg:
+        if not sep:
             raise ValueError(f"--set {item!r}: expected KEY=VALUE with KEY one of {', '.join(sorted(cfg))}")
+        *parents, leaf = key.split(".")
+        node, path = cfg, []
+        for part in parents:
+            child = node.get(part) if isinstance(node, dict) else None
+            if not isinstance(child, dict):
+                where = ".".join(path) or "the config"
+                raise ValueError(f"--set {item!r}: {part!r} is not a dict entry of {where}"
+                                 + (f"; entries: {', '.join(sorted(node))}" if isinstance(node, dict) else ""))
+            node, path = child, [*path, part]
+        if leaf not in node:
+            if not path:
+                raise ValueError(f"--set {item!r}: expected KEY=VALUE with KEY one of {', '.join(sorted(node))}")
+            raise ValueError(f"--set {item!r}: {'.'.join(path)} has no entry {leaf!r}; entries: "
+                             f"{', '.join(sorted(node))}")
         try:
-            cfg[key] = ast.literal_eval(value)
+            node[leaf] = ast.literal_eval(value)
         except (ValueError, SyntaxError):
-            cfg[key] = value
+            node[leaf] = value
     return cfg
 
 

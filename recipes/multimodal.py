@@ -84,11 +84,14 @@ one task (``only`` drops every other task: its data, embedders and heads):
     python recipes/multimodal.py --preset small --out runs/mm-text  --set "only='text'"
 
 On a CPU, ``--preset cpu`` (image, rl and text on a width-128 trunk, 1,200 steps of 2 x 1024 tokens) runs
-the same comparison in minutes per run. Each single-task run above spends as much compute (trunk tokens) as
-the whole joint run. To split the joint
-run's compute instead (the four single runs together = one joint run), give each its share of the steps from
-the joint run's realised token shares (``train/<task>/token_share`` in runs/mm-all/metrics.json), e.g.
-``--set "only='asr'" steps=4000`` for a 0.40 share of 10000 steps. Compare <out>/results.json of each run.
+the same comparison in minutes per run; ``--preset cpu-4tasks`` adds speech (3,000 synthesised clips) at 2,000
+steps of 4 x 1024 tokens, about 45 minutes per run on one thread. Each single-task run above spends as much
+compute (trunk tokens) as the whole joint run. To split the joint run's compute instead (the four single runs
+together = one joint run), give each its share of the steps from the joint run's realised token shares
+(``train/<task>/token_share`` in runs/mm-all/metrics.json), e.g. ``--set "only='asr'" steps=4000`` for a 0.40
+share of 10000 steps. Compare <out>/results.json of each run. The joint loss is the sum of the tasks' MEAN losses
+(times ``loss_weight``), so a task's pull on the shared trunk does not grow with its token share; rebalance with
+e.g. ``--set tasks.text.loss_weight=2``.
 The single-task recipes themselves (their own trunks and schedules) give the reference numbers:
 
     python recipes/vit.py --preset fmnist
@@ -117,22 +120,26 @@ from omni.train import TrainConfig, Trainer, process_state, unwrap
 from omni.trunk import preset
 
 # ---------------------------------------------------------------------------------------------------
-# Config. Every entry can be overridden with --set key=value.
+# Config. Every entry can be overridden with --set key=value, one task's entry with a dotted key
+# (--set tasks.text.loss_weight=2).
 
 TASKS: dict[str, dict[str, Any]] = {
-    "image": dict(kind="classify", source="fashion-mnist", weight=1.0, patch=4, limit_train=None, limit_eval=None),
+    "image": dict(kind="classify", source="fashion-mnist", weight=1.0, loss_weight=1.0, patch=4, limit_train=None,
+                  limit_eval=None),
     # recipes/whisper.py's dataset and decoding limit (max_new_tokens), so CER/WER compare on the same clips
-    "asr": dict(kind="transcribe", source="speech-shards", weight=1.0, shards="data/speech-synth",
+    "asr": dict(kind="transcribe", source="speech-shards", weight=1.0, loss_weight=1.0, shards="data/speech-synth",
                 build=dict(train=20000, test=500), max_new_tokens=224, eval_batch_size=64,
                 # 0: no CTC head. Unlike recipes/whisper.py's cross-attention decoder, the prefix-LM's text attends
                 # to the audio tokens directly and listens without CTC (CPU A/B in benchmarks/results.md).
                 ctc_weight=0.0),
     "rl": dict(kind="action", source="gym", env="CartPole-v1", episodes=1000, mix=None, context=20, weight=0.5,
-               reference_episodes=10, eval_seeds=5, target=None),  # target None: the expert reference
-    "text": dict(kind="lm", source="austen", weight=1.0, max_tokens=256, eval_fraction=0.02, limit=None),
+               loss_weight=1.0, reference_episodes=10, eval_seeds=5, target=None),  # target None: the expert reference
+    "text": dict(kind="lm", source="austen", weight=1.0, loss_weight=1.0, max_tokens=256, eval_fraction=0.02,
+                 limit=None),
 }
 # Speech synthesised by the recipe itself (a few dozen clips for the tiny preset; no shards written).
-SYNTH_ASR = dict(kind="transcribe", source="speech-synth", weight=1.0, train=20000, test=500, max_words=25,
+SYNTH_ASR = dict(kind="transcribe", source="speech-synth", weight=1.0, loss_weight=1.0, train=20000, test=500,
+                 max_words=25,
                  voices=["en-us", "en", "en-us+f3", "en+m3", "en-gb-x-rp"], rates=[140, 210], max_new_tokens=224,
                  eval_batch_size=64, ctc_weight=0.0)
 COMMON = dict(
@@ -164,6 +171,16 @@ PRESETS: dict[str, dict[str, Any]] = {
                        "text": dict(TASKS["text"], max_tokens=128)},
                 batches_per_epoch=500, steps=1200, lr=2e-3, warmup_steps=100, workers=0, eval_every=0,
                 eval_batches=8, checkpoint_every=0, log_every=100, eval_tasks="end"),
+    # All four tasks on a 2-core CPU: the cpu preset's trunk with speech added (3,000 synthesised clips of <= 10
+    # words, the CPU A/B's set) and twice the rows for 2,000 steps (8.2 M tokens), about 50 min per run.
+    "cpu-4tasks": dict(out="runs/multimodal-cpu-4tasks", cache="data/multimodal-cpu", trunk="tiny",
+                       trunk_overrides=dict(d_model=128, n_layers=4, n_heads=4), row_length=1024, rows=4,
+                       tasks={"image": dict(TASKS["image"], patch=7),
+                              "asr": dict(SYNTH_ASR, train=3000, test=100, max_words=10, max_new_tokens=64,
+                                          eval_batch_size=50),
+                              "rl": dict(TASKS["rl"]), "text": dict(TASKS["text"], max_tokens=128)},
+                       batches_per_epoch=500, steps=2000, lr=2e-3, warmup_steps=100, workers=0, eval_every=0,
+                       eval_batches=4, checkpoint_every=0, log_every=200, eval_tasks="end"),
     # One GPU, small trunk: quick quality checks against the single-task recipes.
     "small": dict(trunk="S", trunk_overrides=dict(d_model=256, n_layers=8, n_heads=8), row_length=2048, rows=8,
                   steps=10000, lr=1e-3, warmup_steps=500, compile=True),
