@@ -172,7 +172,7 @@ PRESETS: dict[str, dict[str, Any]] = {
                 batches_per_epoch=500, steps=1200, lr=2e-3, warmup_steps=100, workers=0, eval_every=0,
                 eval_batches=8, checkpoint_every=0, log_every=100, eval_tasks="end"),
     # All four tasks on a 2-core CPU: the cpu preset's trunk with speech added (3,000 synthesised clips of <= 10
-    # words, the CPU A/B's set) and twice the rows for 2,000 steps (8.2 M tokens), about 50 min per run.
+    # words, the CPU A/B's set) and twice the rows for 2,000 steps (8.2 M tokens), about 45 min per run.
     "cpu-4tasks": dict(out="runs/multimodal-cpu-4tasks", cache="data/multimodal-cpu", trunk="tiny",
                        trunk_overrides=dict(d_model=128, n_layers=4, n_heads=4), row_length=1024, rows=4,
                        tasks={"image": dict(TASKS["image"], patch=7),
