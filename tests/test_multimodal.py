@@ -381,6 +381,34 @@ def test_only_trains_one_task_through_the_same_recipe(cache, tmp_path, monkeypat
     assert list(json.loads((out / "results.json").read_text())["results"]) == ["image"]
 
 
+def test_every_preset_parses_and_a_dotted_override_reaches_one_task(cache):
+    recipe = load_recipe()
+    for name in recipe.PRESETS:
+        cfg = recipe.parse_args(["--preset", name])
+        assert cfg["tasks"] and all("loss_weight" in spec for spec in cfg["tasks"].values()), name
+    assert set(recipe.parse_args(["--preset", "cpu-4tasks"])["tasks"]) == {"image", "asr", "rl", "text"}
+    cfg = recipe.parse_args(["--preset", "tiny", "--set", f"cache={str(cache)!r}", "tasks.text.loss_weight=2"])
+    assert cfg["tasks"]["text"]["max_tokens"] == 96  # the preset's other entries of that task stay
+    tasks = {t.name: t for t in recipe.build_tasks(cfg)["train"]}
+    assert tasks["text"].loss_weight == 2.0 and tasks["image"].loss_weight == 1.0
+
+
+def test_joint_loss_is_the_loss_weighted_sum_of_task_mean_losses(tiny):
+    _, model, train, _, tasks = tiny
+    batch = train.batch(0, 0)
+    with torch.no_grad():
+        total, metrics = model(batch)
+        losses = {t.name: metrics[f"{t.name}/loss"] for t in model.tasks}
+        assert torch.allclose(total, sum(losses.values()), rtol=1e-6)
+        text = next(t for t in model.tasks if t.name == "text")
+        text.loss_weight = 2.0
+        try:
+            doubled, _ = model(batch)
+        finally:
+            text.loss_weight = 1.0
+    assert torch.allclose(doubled, total + losses["text"], rtol=1e-6) and losses["text"] > 0
+
+
 def test_speech_shards_source_reads_the_whisper_dataset(tmp_path):
     """The default asr source: recipes/whisper.py's shards (here 3 + 2 clips), the same clips and transcripts."""
     from omni.data.builders_speech import build_speech_synth
