@@ -19,13 +19,11 @@ def apply_overrides(cfg: dict[str, Any], items: Iterable[str]) -> dict[str, Any]
             raise ValueError(f"--set {item!r}: expected KEY=VALUE with KEY one of {', '.join(sorted(cfg))}")
         *parents, leaf = key.split(".")
         node, path = cfg, []
-        for part in parents:
-            child = node.get(part) if isinstance(node, dict) else None
-            if not isinstance(child, dict):
-                where = ".".join(path) or "the config"
-                raise ValueError(f"--set {item!r}: {part!r} is not a dict entry of {where}"
-                                 + (f"; entries: {', '.join(sorted(node))}" if isinstance(node, dict) else ""))
-            node, path = child, [*path, part]
+        for part in parents:  # only dicts are descended into, so `node` is always a dict
+            if not isinstance(node.get(part), dict):
+                raise ValueError(f"--set {item!r}: {part!r} is not a dict entry of {'.'.join(path) or 'the config'}; "
+                                 f"entries: {', '.join(sorted(node))}")
+            node, path = node[part], [*path, part]
         if leaf not in node:
             if not path:
                 raise ValueError(f"--set {item!r}: expected KEY=VALUE with KEY one of {', '.join(sorted(node))}")

@@ -143,8 +143,8 @@ def train_one(cfg: dict, tok, episodes: list[dict], method: str, seed: int, devi
     config = TrainConfig(output_dir=str(out), steps=cfg["steps"], lr=cfg["lr"], min_lr_ratio=cfg["min_lr_ratio"],
                          warmup_steps=min(cfg["warmup_steps"], cfg["steps"]), weight_decay=cfg["weight_decay"],
                          clip_norm=cfg["clip_norm"], compile=cfg["compile"], cuda_graph=use_cuda_graph(cfg, state),
-                         seed=seed,
-                         run_name=f"{method}-{seed}", progress=cfg["progress"], log_every=cfg["log_every"], report_to="none")
+                         seed=seed, run_name=f"{method}-{seed}", progress=cfg["progress"], log_every=cfg["log_every"],
+                         report_to="none")
     export = {"builder": "omni.rl:build_decision_transformer", "trunk": trunk.to_dict(), "use_returns": use_returns,
               "env_id": cfg["env"], "method": method}
     trainer = Trainer(model, loss_fn, loader, config, hparams=cfg, export_config=export,

@@ -139,9 +139,8 @@ TASKS: dict[str, dict[str, Any]] = {
 }
 # Speech synthesised by the recipe itself (a few dozen clips for the tiny preset; no shards written).
 SYNTH_ASR = dict(kind="transcribe", source="speech-synth", weight=1.0, loss_weight=1.0, train=20000, test=500,
-                 max_words=25,
-                 voices=["en-us", "en", "en-us+f3", "en+m3", "en-gb-x-rp"], rates=[140, 210], max_new_tokens=224,
-                 eval_batch_size=64, ctc_weight=0.0)
+                 max_words=25, voices=["en-us", "en", "en-us+f3", "en+m3", "en-gb-x-rp"], rates=[140, 210],
+                 max_new_tokens=224, eval_batch_size=64, ctc_weight=0.0)
 COMMON = dict(
     out="runs/multimodal", cache="data/multimodal", tasks=TASKS, extra_tasks={}, weights={},
     trunk="S", trunk_overrides={}, positions="rope2d",

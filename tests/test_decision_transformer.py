@@ -318,4 +318,3 @@ def test_cuda_graph_auto_means_one_cuda_process():
     assert recipe.use_cuda_graph({"cuda_graph": False}, state("cuda", 1)) is False
     with pytest.raises(ValueError, match="cuda_graph"):
         recipe.use_cuda_graph({"cuda_graph": "yes"}, state("cuda", 1))
-

@@ -394,7 +394,7 @@ def test_every_preset_parses_and_a_dotted_override_reaches_one_task(cache):
 
 
 def test_joint_loss_is_the_loss_weighted_sum_of_task_mean_losses(tiny):
-    _, model, train, _, tasks = tiny
+    _, model, train, _, _ = tiny
     batch = train.batch(0, 0)
     with torch.no_grad():
         total, metrics = model(batch)
