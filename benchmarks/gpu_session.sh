@@ -10,6 +10,8 @@
 #   packing   benchmarks/multimodal_packing.py       bar: packed Flex >= 1.5x padded SDPA useful tok/s (#5)
 #   vit       benchmarks/vit_throughput.py: omni vs timm compiled, and omni under max-autotune with inductor's
 #             coordinate-descent tuning (#4)
+#   vit-levers  omni compiled under inductor fusion settings, without biases, with Flex attention (train only)
+#   vit-flags   omni compiled under inductor tiling/fusion settings for the bias-gradient reductions; timm too
 #   vit-peers-autotune  timm under the same max-autotune settings, omni compiled with coordinate descent only
 #   pendulum  recipes/decision_transformer.py on Pendulum-v1, DT only, default 10k steps (#7 quality)
 #   bench     CUDA tests + the Trainer's cuda_graph path on the GPU + Whisper decode (each with a time limit)
@@ -82,6 +84,34 @@ vit)
     run timeout 150 python benchmarks/vit_throughput.py --only omni,timm --modes compile
     run timeout 280 python benchmarks/vit_throughput.py --only omni --modes max-autotune-no-cudagraphs \
         --inductor coordinate_descent_tuning=True
+    ;;
+vit-levers)
+    # session 7: max-autotune ran out of time and cuBLAS beat every Triton GEMM template by 19-23%, so the
+    # levers left are the memory-bound kernels: inductor's reduction/fusion settings, biases, the attention path
+    for opts in "" "--inductor split_reductions=False" "--inductor aggressive_fusion=True" "--omni bias=False" \
+                "--omni attention='flex'"; do
+        run timeout 100 python benchmarks/vit_throughput.py --only omni --modes compile --train-only $opts
+    done
+    run timeout 140 python benchmarks/vit_throughput.py --only omni --modes compile --train-only \
+        --inductor coordinate_descent_tuning=True
+    ;;
+vit-flags)
+    # session 7: biases cost 6.5% (bias=False 3,999 vs 3,756 img/s): their gradients are column sums that inductor
+    # runs as separate reduction kernels. Its tiling/fusion settings that could fuse them with their producers,
+    # then timm with and without the best one (a global inductor setting must be given to the peer too)
+    best=0 best_opts=""
+    for opts in "" "triton.tile_reductions=True" "triton.tile_reductions=True,triton.prefer_nd_tiling=True" \
+                "triton.tile_reductions=True,triton.tiling_prevents_reduction_fusion=False" \
+                "triton.mix_order_reduction_non_strict_mode=True" "combo_kernels=True" \
+                "triton.cooperative_reductions=True"; do
+        run timeout 90 python benchmarks/vit_throughput.py --only omni --modes compile --train-only --inductor "$opts"
+        rate=$(tail -n 1 "$out/$stage.log" | awk -F'|' '/^\| omni/ {gsub(/[ ,]/, "", $4); print $4}')
+        if [ -n "$opts" ] && [ "${rate:-0}" -gt "$best" ]; then best=$rate best_opts=$opts; fi
+    done
+    echo "best setting: $best_opts ($best img/s)" | tee -a "$out/$stage.log"
+    run timeout 90 python benchmarks/vit_throughput.py --only timm --modes compile --train-only
+    [ -n "$best_opts" ] && run timeout 90 python benchmarks/vit_throughput.py --only timm --modes compile --train-only \
+        --inductor "$best_opts"
     ;;
 vit-peers-autotune)
     # the same inductor settings for timm (a mode that wins for omni is compared against timm in that mode too)
@@ -169,7 +199,7 @@ pendulum)
         --set "methods=['dt']" "target_fractions=[1.0,0.75,0.5,0.25,0.0]" progress=False log_every=1000
     ;;
 *)
-    echo "unknown stage $stage (tests, dt, whisper, packing, vit, vit-peers-autotune, pendulum, bench, whisper-quality, pendulum-sweep, pendulum-ad, multimodal-small, finish)" >&2
+    echo "unknown stage $stage (tests, dt, whisper, packing, vit, vit-levers, vit-flags, vit-peers-autotune, pendulum, bench, whisper-quality, pendulum-sweep, pendulum-ad, multimodal-small, finish)" >&2
     exit 2
     ;;
 esac

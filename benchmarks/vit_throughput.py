@@ -2,6 +2,7 @@
 
   python benchmarks/vit_throughput.py [--batch 256] [--steps 15] [--only omni,timm,torchvision] [--profile]
       [--modes eager,compile,max-autotune-no-cudagraphs] [--inductor coordinate_descent_tuning=True]
+      [--omni "attention='flex',bias=False"] [--train-only]
 
 Random data, 224px, 1000 classes, bf16 autocast, fused AdamW, step = forward + backward + optimizer;
 median step time after warm-up. MFU against a measured bf16 matmul peak (8192^3 GEMM).
@@ -10,6 +11,7 @@ median step time after warm-up. MFU against a measured bf16 matmul peak (8192^3 
 from __future__ import annotations
 
 import argparse
+import ast
 import statistics
 import time
 
@@ -26,10 +28,13 @@ VIT_B16_GFLOP_FWD = 35.1  # per 224px image (research/anchors.md); training = 3x
 class OmniViT(nn.Module):
     """Image tokenizer embedder -> shared trunk -> mean-pool head (uniform-batch fast path)."""
 
-    def __init__(self, n_classes: int = 1000, size: str = "B", patch: int = 16, image: int = 224) -> None:
+    def __init__(self, n_classes: int = 1000, size: str = "B", patch: int = 16, image: int = 224,
+                 attention: str = "sdpa", **trunk_overrides) -> None:
         super().__init__()
         self.patch = patch
-        cfg = preset(size, positions="learned", max_positions=image // patch)
+        cfg = preset(size, positions="learned", max_positions=image // patch, **trunk_overrides)
+        self.attention = attention  # "sdpa" (mask None), or "flex": the same full attention through a BlockMask
+        self.block_mask = None
         self.embed = ImageTokenizer(patch_size=patch, channels=3).embedder(cfg.d_model)
         self.trunk = Trunk(cfg)
         self.register_buffer("positions", grid_positions(image // patch, image // patch)[None], persistent=False)
@@ -38,13 +43,21 @@ class OmniViT(nn.Module):
 
     def forward(self, images: Tensor) -> Tensor:
         x = self.embed(patchify(images, self.patch))  # (B, n, d)
-        x = self.trunk(x, self.positions.expand(x.shape[0], -1, -1), mask=None)
+        mask = None
+        if self.attention == "flex":
+            if self.block_mask is None:
+                from torch.nn.attention.flex_attention import create_block_mask
+
+                n = x.shape[1]
+                self.block_mask = create_block_mask(lambda b, h, q, k: q >= 0, None, None, n, n, device=x.device)
+            mask = self.block_mask
+        x = self.trunk(x, self.positions.expand(x.shape[0], -1, -1), mask=mask)
         return self.head(self.head_norm(x.mean(1)))
 
 
-def build(name: str) -> nn.Module:
+def build(name: str, omni_options: dict | None = None) -> nn.Module:
     if name == "omni":
-        return OmniViT()
+        return OmniViT(**(omni_options or {}))
     if name == "timm":
         import timm
 
@@ -69,9 +82,12 @@ def matmul_peak() -> float:
     return 2 * 8192**3 * 20 / (time.perf_counter() - t) / 1e12
 
 
-def bench(name: str, mode: str, batch: int, steps: int, profile: bool = False) -> tuple[float, float]:
+def bench(name: str, mode: str, batch: int, steps: int, profile: int = 0, train_only: bool = False,
+          omni_options: dict | None = None) -> tuple[float, float]:
+    """(train, inference) images/s; inference is nan with train_only. profile > 0: after timing, print a
+    kernel-time breakdown of the train step with that many top kernels."""
     torch.manual_seed(0)
-    model = build(name).cuda()
+    model = build(name, omni_options).cuda()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     if mode == "eager":
         fwd = model
@@ -95,7 +111,7 @@ def bench(name: str, mode: str, batch: int, steps: int, profile: bool = False) -
             fwd(x)
 
     out = []
-    for step in (train_step, infer_step):
+    for step in (train_step,) if train_only else (train_step, infer_step):
         for _ in range(3):
             step()
         torch.cuda.synchronize()
@@ -109,17 +125,16 @@ def bench(name: str, mode: str, batch: int, steps: int, profile: bool = False) -
     if profile:
         from _profile import kernel_breakdown
 
-        print(f"\n#### {name} {mode}: where a training step's time goes\n\n{kernel_breakdown(train_step)}\n", flush=True)
+        report = kernel_breakdown(train_step, top=profile)
+        print(f"\n#### {name} {mode}: where a training step's time goes\n\n{report}\n", flush=True)
     del model, opt, fwd
     torch.cuda.empty_cache()
     torch._dynamo.reset()
-    return out[0], out[1]
+    return out[0], (float("nan") if train_only else out[1])
 
 
 def set_inductor_option(name: str, value: str) -> None:
     """torch._inductor.config.<name> = literal_eval(value); an unknown name is an error, not a silent no-op."""
-    import ast
-
     import torch._inductor.config as config
 
     *path, leaf = name.strip().split(".")
@@ -138,11 +153,17 @@ def main() -> None:
     ap.add_argument("--only", default="omni,timm,torchvision")
     ap.add_argument("--modes", default="eager,compile")
     ap.add_argument("--sdpa", default="default", help="default, or a priority list e.g. cudnn,flash,efficient")
-    ap.add_argument("--profile", action="store_true", help="after timing, a kernel-time breakdown of the train step")
+    ap.add_argument("--profile", type=int, nargs="?", const=12, default=0, metavar="TOP",
+                    help="after timing, a kernel-time breakdown of the train step with its TOP kernels (12)")
     ap.add_argument("--inductor", default="", help="torch._inductor.config settings for the compiled modes, e.g. "
                     "coordinate_descent_tuning=True,epilogue_fusion=True (Python literals; dotted names reach "
                     "sub-configs such as triton.cudagraphs)")
+    ap.add_argument("--omni", default="", help="omni model variant, e.g. attention='flex' or bias=False (any "
+                    "TrunkConfig field; Python literals)")
+    ap.add_argument("--train-only", action="store_true", help="skip the inference timing")
     args = ap.parse_args()
+    omni_options = {k.strip(): ast.literal_eval(v.strip())
+                    for k, v in (item.split("=", 1) for item in filter(None, args.omni.split(",")))}
     for item in filter(None, args.inductor.split(",")):
         set_inductor_option(*item.split("=", 1))
     if args.sdpa != "default":
@@ -157,10 +178,12 @@ def main() -> None:
     print("| model | mode | train img/s | MFU | inference img/s |\n|---|---|---|---|---|")
     for name in args.only.split(","):
         for mode in args.modes.split(","):
-            train, infer = bench(name, mode, args.batch, args.steps, args.profile)
+            train, infer = bench(name, mode, args.batch, args.steps, args.profile, args.train_only, omni_options)
             mfu = train * 3 * VIT_B16_GFLOP_FWD * 1e9 / (peak * 1e12)
             extra = f", inductor {args.inductor}" if args.inductor and mode != "eager" else ""
-            print(f"| {name} | {mode} (sdpa {args.sdpa}{extra}) | {train:,.0f} | {mfu:.1%} | {infer:,.0f} |", flush=True)
+            extra += f", {args.omni}" if args.omni and name == "omni" else ""
+            infer_text = "-" if args.train_only else f"{infer:,.0f}"
+            print(f"| {name} | {mode} (sdpa {args.sdpa}{extra}) | {train:,.0f} | {mfu:.1%} | {infer_text} |", flush=True)
 
 
 if __name__ == "__main__":

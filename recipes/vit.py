@@ -3,6 +3,7 @@
     python recipes/vit.py                              # Fashion-MNIST (built if missing), preset for the device
     python recipes/vit.py --preset tiny                # CPU smoke run
     python recipes/vit.py --preset B/16 --data shards/imagenet --set epochs=90
+    python recipes/vit.py --preset B/16 --data ... --set "trunk_overrides={'bias': False}"   # PaLM-style, 6% faster
     accelerate launch --num_processes 8 recipes/vit.py --preset B/16 --data ...
 
 --data takes a dataset directory written by `omni data fashion-mnist` or `omni data images`

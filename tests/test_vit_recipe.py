@@ -92,6 +92,20 @@ def test_export_loads_without_training_code(trained, dataset):
     assert accuracy == pytest.approx(metrics["eval/accuracy"], abs=1e-6)
 
 
+def test_trunk_without_biases(dataset, tmp_path):
+    """`trunk_overrides={'bias': False}` (the faster ViT-B/16 option in benchmarks/results.md) reaches the trunk:
+    no Linear or LayerNorm in it has a bias, it learns, and the export rebuilds the same bias-free model."""
+    recipe = load_recipe()
+    metrics = recipe.main(["--preset", "tiny", "--data", str(dataset[0]), "--out", str(tmp_path), "--set",
+                           "progress=False", "workers=0", "steps=60", "lr=0.005", "pad=0", "limit_train=None",
+                           "limit_eval=None", "trunk_overrides={'bias': False}"])
+    assert metrics["eval/accuracy"] > 0.6, metrics
+    model = load_pretrained(tmp_path / "final")
+    names = [name for name, _ in model.trunk.named_parameters()]
+    assert names and not any(name.endswith("bias") for name in names), names
+    assert any(name.endswith("mlp.up.weight") for name in names)
+
+
 def save(img: Image.Image, path: Path, fmt: str) -> Path:
     img.save(path, format=fmt)
     return path
