@@ -92,6 +92,8 @@ def parse_args(argv=None) -> dict:
     unknown = set(cfg["methods"]) - {"dt", "bc", "fbc"}
     if unknown:
         ap.error(f"methods: unknown {sorted(unknown)}; choose from dt, bc, fbc")
+    if cfg["cuda_graph"] not in (True, False, "auto"):  # checked here, before any data is built
+        ap.error(f"cuda_graph must be True, False or 'auto', got {cfg['cuda_graph']!r}")
     cfg["data"] = cfg["data"] or f"data/gym-{cfg['env']}" + ("-tiny" if cfg["preset"] == "tiny" else "")
     cfg["out"] = cfg["out"] or f"runs/dt-{cfg['env']}-{cfg['preset']}"
     return cfg
@@ -116,12 +118,10 @@ def load_data(cfg: dict) -> tuple[dict, list[dict]]:
 
 def use_cuda_graph(cfg: dict, state) -> bool:
     """cfg["cuda_graph"]: True / False, or "auto" (one CUDA process: yes; CPU or several processes: no)."""
-    value = cfg["cuda_graph"]
+    value = cfg["cuda_graph"]  # parse_args has checked it
     if value == "auto":
         return state.device.type == "cuda" and state.num_processes == 1
-    if not isinstance(value, bool):
-        raise ValueError(f"cuda_graph must be True, False or 'auto', got {value!r}")
-    return value
+    return bool(value)
 
 
 def train_one(cfg: dict, tok, episodes: list[dict], method: str, seed: int, device: torch.device):

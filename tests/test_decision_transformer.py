@@ -303,7 +303,7 @@ def test_tiny_preset_learns_and_recipe_runs_end_to_end(tmp_path):
     assert [r["episodes"] for r in out["runs"]] == [10, 10, 1]  # fbc: top 10% of 10 episodes
 
 
-def test_cuda_graph_auto_means_one_cuda_process():
+def test_cuda_graph_auto_means_one_cuda_process(capsys):
     from types import SimpleNamespace
 
     recipe = load_recipe()
@@ -316,5 +316,8 @@ def test_cuda_graph_auto_means_one_cuda_process():
     assert recipe.use_cuda_graph({"cuda_graph": "auto"}, state("cuda", 2)) is False
     assert recipe.use_cuda_graph({"cuda_graph": "auto"}, state("cpu", 1)) is False
     assert recipe.use_cuda_graph({"cuda_graph": False}, state("cuda", 1)) is False
-    with pytest.raises(ValueError, match="cuda_graph"):
-        recipe.use_cuda_graph({"cuda_graph": "yes"}, state("cuda", 1))
+    # a bad value stops the recipe at argument parsing, before any data is built
+    assert recipe.parse_args(["--set", "cuda_graph=True", "--data", "/nonexistent"])["cuda_graph"] is True
+    with pytest.raises(SystemExit):
+        recipe.parse_args(["--set", "cuda_graph='yes'", "--data", "/nonexistent"])
+    assert "cuda_graph must be True, False or 'auto', got 'yes'" in capsys.readouterr().err
