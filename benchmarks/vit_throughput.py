@@ -33,6 +33,8 @@ class OmniViT(nn.Module):
         super().__init__()
         self.patch = patch
         cfg = preset(size, positions="learned", max_positions=image // patch, **trunk_overrides)
+        if attention not in ("sdpa", "flex"):
+            raise ValueError(f"attention must be 'sdpa' or 'flex', got {attention!r}")
         self.attention = attention  # "sdpa" (mask None), or "flex": the same full attention through a BlockMask
         self.block_mask = None
         self.embed = ImageTokenizer(patch_size=patch, channels=3).embedder(cfg.d_model)
@@ -133,17 +135,23 @@ def bench(name: str, mode: str, batch: int, steps: int, profile: int = 0, train_
     return out[0], (float("nan") if train_only else out[1])
 
 
-def set_inductor_option(name: str, value: str) -> None:
-    """torch._inductor.config.<name> = literal_eval(value); an unknown name is an error, not a silent no-op."""
+def literal_assignments(text: str) -> dict:
+    """"a=1,b.c='x'" -> {"a": 1, "b.c": "x"} (values are Python literals; the --inductor and --omni syntax)."""
+    pairs = (item.split("=", 1) for item in filter(None, text.split(",")))
+    return {name.strip(): ast.literal_eval(value.strip()) for name, value in pairs}
+
+
+def set_inductor_option(name: str, value) -> None:
+    """torch._inductor.config.<name> = value; an unknown name is an error, not a silent no-op."""
     import torch._inductor.config as config
 
-    *path, leaf = name.strip().split(".")
+    *path, leaf = name.split(".")
     target = config
     for part in path:
         target = getattr(target, part)
     if not hasattr(target, leaf):
         raise SystemExit(f"--inductor: torch._inductor.config has no option {name!r}")
-    setattr(target, leaf, ast.literal_eval(value.strip()))
+    setattr(target, leaf, value)
 
 
 def main() -> None:
@@ -162,10 +170,9 @@ def main() -> None:
                     "TrunkConfig field; Python literals)")
     ap.add_argument("--train-only", action="store_true", help="skip the inference timing")
     args = ap.parse_args()
-    omni_options = {k.strip(): ast.literal_eval(v.strip())
-                    for k, v in (item.split("=", 1) for item in filter(None, args.omni.split(",")))}
-    for item in filter(None, args.inductor.split(",")):
-        set_inductor_option(*item.split("=", 1))
+    omni_options = literal_assignments(args.omni)
+    for name, value in literal_assignments(args.inductor).items():
+        set_inductor_option(name, value)
     if args.sdpa != "default":
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
