@@ -16,8 +16,9 @@ and give the same numbers on every path (tests/test_trunk.py checks each against
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
-from typing import Literal, Union
+from dataclasses import InitVar, asdict, dataclass, field
+from functools import partial
+from typing import Callable, Literal, Union
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +26,7 @@ from torch import Tensor, nn
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 Mask = Union[None, Literal["causal"], Tensor, BlockMask]
+Activation = Literal["gelu", "gelu_tanh", "relu", "swiglu"]  # the MLP's nonlinearity: see ACTIVATIONS
 
 
 @dataclass
@@ -33,7 +35,7 @@ class TrunkConfig:
     n_layers: int = 6
     n_heads: int = 8
     n_kv_heads: int | None = None  # None = n_heads (MHA); 1 = MQA; else GQA
-    mlp: Literal["gelu", "swiglu"] = "gelu"
+    activation: Activation = "gelu_tanh"  # the MLP's nonlinearity (ACTIVATIONS); "gelu" is the exact (erf) one
     mlp_ratio: float = 4.0  # hidden = mlp_ratio * d_model (swiglu: 2/3 of it, rounded to 64, as LLaMA)
     norm: Literal["layernorm", "rmsnorm"] = "layernorm"
     norm_eps: float = 1e-5
@@ -43,8 +45,18 @@ class TrunkConfig:
     cross_attention: bool = False  # adds a cross-attention sublayer (encoder-decoder decoder)
     bias: bool = True
     dropout: float = 0.0
+    # The field `activation` replaced: saved configs still say mlp="gelu" (the tanh form) or "swiglu".
+    mlp: InitVar[Literal["gelu", "swiglu"] | None] = None
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, mlp: str | None) -> None:
+        if mlp is not None:
+            if mlp not in LEGACY_MLP:
+                raise ValueError(f"unknown mlp {mlp!r}; use activation= one of {', '.join(ACTIVATIONS)}")
+            if self.activation not in ("gelu_tanh", LEGACY_MLP[mlp]):  # "gelu_tanh": the default, not a choice
+                raise ValueError(f"mlp={mlp!r} contradicts activation={self.activation!r}; give activation only")
+            self.activation = LEGACY_MLP[mlp]  # type: ignore[assignment]
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"unknown activation {self.activation!r}; available: {', '.join(ACTIVATIONS)}")
         if self.d_model % self.n_heads:
             raise ValueError(f"d_model {self.d_model} is not divisible by n_heads {self.n_heads}")
         if self.n_heads % self.kv_heads:
@@ -67,7 +79,7 @@ class TrunkConfig:
 
 
 # Named sizes. ViT sizes follow the ViT paper, "whisper-*" the Whisper encoder/decoder stacks,
-# "dt" the official Decision Transformer.
+# "dt" the official Decision Transformer (GPT-2 with activation_function="relu", kzl/decision-transformer).
 PRESETS: dict[str, dict] = {
     "tiny": dict(d_model=64, n_layers=2, n_heads=4),
     "Ti": dict(d_model=192, n_layers=12, n_heads=3),
@@ -77,7 +89,7 @@ PRESETS: dict[str, dict] = {
     "whisper-tiny": dict(d_model=384, n_layers=4, n_heads=6),
     "whisper-base": dict(d_model=512, n_layers=6, n_heads=8),
     "whisper-small": dict(d_model=768, n_layers=12, n_heads=12),
-    "dt": dict(d_model=128, n_layers=3, n_heads=1),
+    "dt": dict(d_model=128, n_layers=3, n_heads=1, activation="relu"),
 }
 
 
@@ -108,24 +120,38 @@ def make_norm(cfg: TrunkConfig) -> nn.Module:
     return nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps, bias=cfg.bias)
 
 
+class SwiGLU(nn.Module):
+    """LLaMA's gated unit: silu(gate) * value, the two halves of a twice-as-wide up projection."""
+
+    def forward(self, h: Tensor) -> Tensor:
+        gate, value = h.chunk(2, dim=-1)  # (..., hidden) each
+        return F.silu(gate) * value
+
+
+# TrunkConfig.activation -> a module factory. None has parameters, so the choice leaves checkpoints' keys alone.
+ACTIVATIONS: dict[str, Callable[[], nn.Module]] = {
+    "gelu": nn.GELU,  # exact (erf): timm ViT, Whisper, BERT
+    "gelu_tanh": partial(nn.GELU, approximate="tanh"),  # tanh approximation: GPT-2's "gelu_new"
+    "relu": nn.ReLU,  # the original Transformer; the Decision Transformer
+    "swiglu": SwiGLU,  # LLaMA
+}
+LEGACY_MLP = {"gelu": "gelu_tanh", "swiglu": "swiglu"}  # TrunkConfig.mlp (saved configs) -> activation
+
+
 class MLP(nn.Module):
     def __init__(self, cfg: TrunkConfig) -> None:
         super().__init__()
-        self.swiglu = cfg.mlp == "swiglu"
+        act = ACTIVATIONS[cfg.activation]()
+        gated = isinstance(act, SwiGLU)
         hidden = int(cfg.mlp_ratio * cfg.d_model)
-        if self.swiglu:  # keep the parameter count of a GELU MLP with the same ratio
+        if gated:  # keep the parameter count of an ungated MLP with the same ratio
             hidden = 64 * math.ceil(2 * hidden / 3 / 64)
-        self.up = nn.Linear(cfg.d_model, 2 * hidden if self.swiglu else hidden, bias=cfg.bias)
+        self.up = nn.Linear(cfg.d_model, 2 * hidden if gated else hidden, bias=cfg.bias)
+        self.act = act
         self.down = nn.Linear(hidden, cfg.d_model, bias=cfg.bias)
 
     def forward(self, x: Tensor) -> Tensor:
-        h = self.up(x)
-        if self.swiglu:
-            gate, value = h.chunk(2, dim=-1)
-            h = F.silu(gate) * value
-        else:
-            h = F.gelu(h, approximate="tanh")
-        return self.down(h)
+        return self.down(self.act(self.up(x)))  # (B, T, d) -> (B, T, hidden [x2 gated]) -> (B, T, d)
 
 
 # ----------------------------------------------------------------------------------------------------

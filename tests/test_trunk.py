@@ -53,7 +53,7 @@ def test_unknown_string_mask_rejected():
 CACHE_CONFIGS = [
     dict(positions="rope"),
     dict(positions="rope2d", n_kv_heads=2),
-    dict(positions="rope", n_kv_heads=1, mlp="swiglu", norm="rmsnorm"),
+    dict(positions="rope", n_kv_heads=1, activation="swiglu", norm="rmsnorm"),
     dict(positions="learned", cross_attention=True, n_kv_heads=2),
     dict(positions="sinusoidal", cross_attention=True),
     dict(positions="none", cross_attention=True, n_kv_heads=1),
@@ -215,7 +215,7 @@ def test_cache_position_step_compiles_as_one_graph(cross):
         return lookup_backend("aot_eager")(gm, example_inputs)
 
     cfg = TrunkConfig(d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, cross_attention=cross,
-                      positions="learned" if cross else "rope", mlp="swiglu", norm="rmsnorm")
+                      positions="learned" if cross else "rope", activation="swiglu", norm="rmsnorm")
     trunk = Trunk(cfg).eval()
     B, P, T = 2, 3, 8
     x = torch.randn(B, T, 32)
@@ -289,8 +289,8 @@ def test_presets_and_config_validation():
 
 
 def test_swiglu_width_matches_gelu_params():
-    g = Trunk(TrunkConfig(d_model=192, n_layers=1, n_heads=3, mlp="gelu")).num_params()
-    s = Trunk(TrunkConfig(d_model=192, n_layers=1, n_heads=3, mlp="swiglu")).num_params()
+    g = Trunk(TrunkConfig(d_model=192, n_layers=1, n_heads=3, activation="gelu_tanh")).num_params()
+    s = Trunk(TrunkConfig(d_model=192, n_layers=1, n_heads=3, activation="swiglu")).num_params()
     assert abs(s - g) / g < 0.03
 
 
@@ -298,7 +298,7 @@ def test_trunk_block_compiles_without_graph_breaks():
     """fullgraph=True fails on any graph break: the block must trace as one graph for every
     mask kind, with RoPE, GQA and cross-attention."""
     cfg = TrunkConfig(d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, positions="rope2d", cross_attention=True,
-                      mlp="swiglu", norm="rmsnorm")
+                      activation="swiglu", norm="rmsnorm")
     trunk = Trunk(cfg).eval()
     x, mem = torch.randn(2, 16, 32), torch.randn(2, 5, 32)
     pos = torch.randint(0, 8, (2, 16, 2))
