@@ -27,7 +27,6 @@ import math
 import numbers
 import os
 import warnings
-from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 import numpy as np
@@ -36,7 +35,8 @@ import torchaudio
 from torch import Tensor, nn
 
 from omni.segment import Role, Segment
-from omni.tokenizers.base import Tokenizer, TypeEmbedding, register_tokenizer
+from omni.tokenizers.base import (NotARegularFileError, Tokenizer, TypeEmbedding, open_regular_file,
+                                  register_tokenizer)
 
 __all__ = [
     "AudioEmbedder",
@@ -203,12 +203,19 @@ def _decode_bytes(data: bytes | bytearray | memoryview, key: str) -> tuple[np.nd
 
 
 def _decode_path(path: str | os.PathLike, key: str) -> tuple[np.ndarray, int]:
-    if not Path(path).is_file():
-        raise ValueError(f"{_where(key)}: no audio file at {os.fspath(path)!r}")
+    try:
+        fh = open_regular_file(path)  # a FIFO or device would block libsndfile's open() or read() forever
+    except FileNotFoundError as exc:
+        raise ValueError(f"{_where(key)}: no audio file at {os.fspath(path)!r}") from exc
+    except NotARegularFileError as exc:
+        raise ValueError(f"{_where(key)}: {exc.path!r} is {exc.kind}, not an audio file") from exc
+    except OSError as exc:
+        raise ValueError(f"{_where(key)}: cannot read audio file {os.fspath(path)!r}: {exc.strerror or exc}") from exc
     import soundfile as sf
 
     try:
-        array, rate = sf.read(path, dtype="float32", always_2d=True)
+        with fh:
+            array, rate = sf.read(fh, dtype="float32", always_2d=True)
     except Exception as exc:  # see _decode_bytes
         raise ValueError(
             f"{_where(key)}: could not decode {os.fspath(path)!r} as audio ({exc}); "

@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 from abc import ABC, abstractmethod
 from importlib.metadata import entry_points
 from pathlib import Path
-from typing import Any, Callable, ClassVar, Iterable, TypeVar
+from typing import Any, BinaryIO, Callable, ClassVar, Iterable, TypeVar
 
 import torch
 from torch import Tensor, nn
@@ -157,6 +158,48 @@ def get_tokenizer(name: str) -> type[Tokenizer]:
 def build_tokenizer(name: str, **kwargs: Any) -> Tokenizer:
     """Instantiate the tokenizer registered under ``name``."""
     return get_tokenizer(name)(**kwargs)
+
+
+# -- reading input files ---------------------------------------------------------------------------------
+class NotARegularFileError(ValueError):
+    """A path names a directory, FIFO, device or socket where a file to read was expected."""
+
+    def __init__(self, path: str | os.PathLike, kind: str) -> None:
+        self.path, self.kind = os.fspath(path), kind
+        super().__init__(f"{self.path}: is {kind}, not a regular file")
+
+
+_FILE_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
+               (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+
+
+def _check_mode(path: str | os.PathLike, mode: int) -> None:
+    if not stat.S_ISREG(mode):
+        raise NotARegularFileError(path, next((name for test, name in _FILE_KINDS if test(mode)), "a special file"))
+
+
+def check_regular_file(path: str | os.PathLike) -> os.stat_result:
+    """``os.stat(path)`` if ``path`` is a regular file (symlinks followed); NotARegularFileError (a ValueError
+    naming what it is: directory, FIFO, device, socket) if not; OSError (FileNotFoundError ...) from stat."""
+    st = os.stat(path)
+    _check_mode(path, st.st_mode)
+    return st
+
+
+def open_regular_file(path: str | os.PathLike) -> BinaryIO:
+    """Open a regular file for binary reading; refuse anything else at once (``check_regular_file``'s errors).
+
+    Opening a FIFO blocks until a writer appears and a device can be read forever, so the type is checked
+    by ``os.stat`` before opening (which has no side effects), and again on the descriptor, opened
+    non-blocking: a path swapped for a FIFO in between cannot block either."""
+    check_regular_file(path)
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))
+    try:
+        _check_mode(path, os.fstat(fd).st_mode)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def _atomic_write_text(path: Path, text: str) -> None:

@@ -61,7 +61,8 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from omni.segment import Role, Segment
-from omni.tokenizers.base import Tokenizer, TypeEmbedding, register_tokenizer
+from omni.tokenizers.base import (NotARegularFileError, Tokenizer, TypeEmbedding, open_regular_file,
+                                  register_tokenizer)
 
 __all__ = [
     "ImagePatchEmbedder",
@@ -235,10 +236,12 @@ def to_image_tensor(raw: Any, *, key: str = "") -> Tensor:
         x = _decode_bytes(bytes(raw), key)
     elif isinstance(raw, (str, os.PathLike)):
         try:
-            with open(raw, "rb") as fh:
+            with open_regular_file(raw) as fh:  # a FIFO or device would block open() or read() forever
                 data = fh.read()
+        except NotARegularFileError as exc:
+            raise ValueError(f"{_name(key)}: {exc.path!r} is {exc.kind}, not an image file") from exc
         except OSError as exc:
-            raise ValueError(f"{_name(key)}: cannot read image file {os.fspath(raw)!r}: {exc}") from exc
+            raise ValueError(f"{_name(key)}: cannot read image file {os.fspath(raw)!r}: {exc.strerror or exc}") from exc
         x = _decode_bytes(data, key)
     elif type(raw).__module__.startswith("PIL.") and hasattr(raw, "mode"):
         x = _from_pil(raw, key)
