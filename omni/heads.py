@@ -36,6 +36,11 @@ class ClassificationHead(nn.Module):
             pooled = tokens[first]
         return self.proj(self.norm(pooled))
 
+    def forward_rows(self, hidden: Tensor) -> Tensor:
+        """hidden (B, n, d), each row one whole segment (a uniform batch) -> logits (B, n_classes)."""
+        pooled = hidden[:, 0] if self.pool == "cls" else hidden.mean(1)
+        return self.proj(self.norm(pooled))
+
 
 class LMHead(nn.Module):
     """Next-token logits; ``tie_to`` shares the weight with a text embedding table."""

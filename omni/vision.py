@@ -22,11 +22,13 @@ from omni.trunk import Trunk, TrunkConfig
 
 
 class ImageClassifier(nn.Module):
+    """Patch embedder -> bidirectional Trunk -> ClassificationHead. With a CLS tokenizer the tokens carry
+    its CLS row and flag column on every path; pool="mean" then averages the CLS token with the patches,
+    as ClassificationHead does on packed batches."""
+
     def __init__(self, image: ImageTokenizer, trunk: TrunkConfig, n_classes: int, pool: str = "mean") -> None:
         super().__init__()
-        if image.cls and pool != "cls":
-            raise ValueError("an image tokenizer with cls=True needs pool='cls'")
-        self.patch_size, self.channels = image.patch_size, image.channels
+        self.patch_size, self.channels, self.cls = image.patch_size, image.channels, image.cls
         self.register_buffer("mean", torch.tensor(image.mean).view(1, -1, 1, 1), persistent=False)
         self.register_buffer("std", torch.tensor(image.std).view(1, -1, 1, 1), persistent=False)
         self.embed = image.embedder(trunk.d_model)
@@ -39,14 +41,17 @@ class ImageClassifier(nn.Module):
         x = (x - self.mean) / self.std
         tokens = patchify(x, self.patch_size)  # (B, n, p*p*C)
         gh, gw = images.shape[-2] // self.patch_size, images.shape[-1] // self.patch_size
-        positions = grid_positions(gh, gw, device=images.device).expand(images.shape[0], -1, -1)
-        return self.forward_tokens(tokens, positions)
+        positions = grid_positions(gh, gw, device=images.device)  # (n, 2)
+        if self.cls:  # ImageTokenizer's layout: first a zero row flagged 1.0 at (0, 0), patches flagged 0.0
+            flag = F.pad(tokens.new_zeros(*tokens.shape[:2], 1), (0, 0, 1, 0), value=1.0)  # (B, 1 + n, 1)
+            tokens = torch.cat([F.pad(tokens, (0, 0, 1, 0)), flag], dim=-1)  # (B, 1 + n, p*p*C + 1)
+            positions = F.pad(positions, (0, 0, 1, 0))  # (1 + n, 2)
+        return self.forward_tokens(tokens, positions.expand(images.shape[0], -1, -1))
 
     def forward_tokens(self, tokens: Tensor, positions: Tensor) -> Tensor:
         """Tokens (B, n, F) as ImageTokenizer.encode makes them, positions (B, n, 2) -> logits (B, classes)."""
         hidden = self.trunk(self.embed(tokens), positions, mask=None)  # (B, n, d)
-        pooled = hidden[:, 0] if self.head.pool == "cls" else hidden.mean(1)
-        return self.head.proj(self.head.norm(pooled))
+        return self.head.forward_rows(hidden)
 
 
 def build_image_classifier(config: dict[str, Any], tokenizers: dict[str, Any]) -> ImageClassifier:
