@@ -37,10 +37,11 @@ import re
 import unicodedata
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Hashable, Sequence
 
 import torch
 import torch.nn.functional as F
+from rapidfuzz.distance import Levenshtein
 from torch import Tensor, nn
 
 from omni.heads import LMHead
@@ -819,17 +820,13 @@ def normalize_text(text: str) -> str:
     return " ".join(s.split())
 
 
-def edit_distance(ref: Sequence[Any], hyp: Sequence[Any]) -> int:
-    """Levenshtein distance (substitutions + deletions + insertions)."""
-    if len(ref) < len(hyp):
-        ref, hyp = hyp, ref
-    prev = list(range(len(hyp) + 1))
-    for i, r in enumerate(ref, 1):
-        cur = [i] + [0] * len(hyp)
-        for j, h in enumerate(hyp, 1):
-            cur[j] = min(prev[j] + 1, cur[j - 1] + 1, prev[j - 1] + (r != h))
-        prev = cur
-    return prev[-1]
+def edit_distance(ref: Sequence[Hashable], hyp: Sequence[Hashable]) -> int:
+    """Levenshtein distance (substitutions + deletions + insertions) between two strings or two sequences
+    of hashable items (word lists); rapidfuzz's C++ (bit-parallel), the library jiwer counts with."""
+    if not (isinstance(ref, str) and isinstance(hyp, str)):  # items -> ints, equal iff ==: no hash collisions
+        ids: dict[Hashable, int] = {}
+        ref, hyp = [ids.setdefault(x, len(ids)) for x in ref], [ids.setdefault(x, len(ids)) for x in hyp]
+    return Levenshtein.distance(ref, hyp)
 
 
 def error_counts(reference: str, hypothesis: str) -> tuple[int, int, int, int]:
