@@ -17,11 +17,19 @@ an OmniModel from trunk + head specs), or an import path "package.module:functio
 model loads anywhere it is importable. Or pass ``build=`` explicitly.
 
 The whole directory is written next to its destination and renamed into place, so a crash never leaves
-a half-written export under the final name.
+a half-written export under the final name. Its last file, ``checksums.json``, records the size and sha256
+of every other file; ``load_pretrained`` checks them and names the file that differs (flipped bytes, a
+truncated copy), so a damaged export never loads silently. Exports written before checksums existed have
+no such file and load unchecked. Training checkpoints carry the same file (omni.train).
+
+``resolve_export_dir`` turns what a user points at (an export, a run's output directory, a checkpoint)
+into the export directory, or says what the path is and where its export lives.
 """
 
 from __future__ import annotations
 
+import errno
+import hashlib
 import importlib
 import json
 import os
@@ -37,6 +45,22 @@ FORMAT_VERSION = 1
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 TOKENIZERS_DIR = "tokenizers"
+CHECKSUMS_NAME = "checksums.json"
+# A training run's output directory (omni.train): named here so errors can point from a run or one of its
+# checkpoints to the run's export.
+RUN_EXPORT_DIR = "final"
+RUN_CHECKPOINT_DIR = "checkpoints"
+CHECKPOINT_MARKER = "COMPLETE"
+
+
+class IntegrityError(ValueError):
+    """A file of an export or a checkpoint is missing, truncated, unreadable or differs from its recorded sha256."""
+
+
+class DiskFullError(OSError):
+    """No space left on the device while writing an export or a checkpoint; the partial write is removed and
+    what was there before is intact."""
+
 
 Builder = Callable[[dict[str, Any], dict[str, Any]], nn.Module]  # (config, tokenizers) -> module
 _BUILDERS: dict[str, Builder] = {}
@@ -120,6 +144,7 @@ def save_pretrained(model: nn.Module, directory: str | os.PathLike, config: Mapp
             tok.save(tmp / TOKENIZERS_DIR / name)
         with open(tmp / CONFIG_NAME, "w") as f:
             f.write(text)
+        write_checksums(tmp)
         fsync_tree(tmp)
         if directory.exists():  # replace an earlier export: move it aside, swap, delete
             old = directory.with_name(f".{directory.name}.old-{os.getpid()}-{time.monotonic_ns()}")
@@ -128,8 +153,13 @@ def save_pretrained(model: nn.Module, directory: str | os.PathLike, config: Mapp
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.replace(tmp, directory)
-    except BaseException:
+    except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
+        if is_disk_full(exc):
+            kept = f"the earlier export {directory} is unchanged" if directory.exists() else "nothing was replaced"
+            raise DiskFullError(errno.ENOSPC, f"disk full (no space left on device) while writing the export "
+                                f"{directory} (at {getattr(exc, 'filename', None) or tmp}); the partial export was "
+                                f"removed and {kept}: free space on {directory.parent} and export again") from exc
         raise
     return directory
 
@@ -145,10 +175,17 @@ def tied_names(model: nn.Module) -> list[list[str]]:
 
 
 def load_config(directory: str | os.PathLike) -> dict[str, Any]:
-    path = Path(directory) / CONFIG_NAME
+    """The export's config.json (FileNotFoundError explaining what ``directory`` is when it is no export)."""
+    directory = Path(directory)
+    path = directory / CONFIG_NAME
     if not path.is_file():
-        raise FileNotFoundError(f"{path} not found: not an omni export directory (see omni.export.save_pretrained)")
-    config = json.loads(path.read_text())
+        raise FileNotFoundError(describe_non_export(directory))
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:  # ValueError: invalid JSON or UTF-8, e.g. a truncated copy
+        raise IntegrityError(f"{path} is unreadable ({exc}): the export is truncated or corrupt") from exc
+    if not isinstance(config, dict):
+        raise IntegrityError(f"{path} holds {type(config).__name__}, not a JSON object: not an omni export config")
     if config.get("omni_format", 0) > FORMAT_VERSION:
         raise ValueError(f"{path} has export format {config['omni_format']}; this omni reads <= {FORMAT_VERSION}")
     return config
@@ -168,21 +205,144 @@ def load_tokenizers(directory: str | os.PathLike) -> dict[str, Any]:
 
 def load_pretrained(directory: str | os.PathLike, build: Builder | None = None, *,
                     device: str | torch.device = "cpu", strict: bool = True) -> nn.Module:
-    """Rebuild the exported module and load its weights; returned in eval mode on ``device``."""
+    """Rebuild the exported module and load its weights; returned in eval mode on ``device``. Every file is
+    checked against checksums.json first (IntegrityError naming the one that differs)."""
+    from safetensors import SafetensorError
     from safetensors.torch import load_model
 
     directory = Path(directory)
+    if not (directory / CONFIG_NAME).is_file():
+        raise FileNotFoundError(describe_non_export(directory))
+    verify_checksums(directory)
     config = load_config(directory)
     if build is None:
         if not config.get("builder"):
             raise ValueError(f"{directory / CONFIG_NAME} names no 'builder'; pass build=fn(config, tokenizers)")
         build = get_builder(config["builder"])
+    weights = directory / WEIGHTS_NAME
+    if not weights.is_file():
+        raise FileNotFoundError(f"{weights} is missing: the export {directory} is incomplete")
     model = build(config, load_tokenizers(directory))
-    missing, unexpected = load_model(model, str(directory / WEIGHTS_NAME), strict=False)
+    try:
+        missing, unexpected = load_model(model, str(weights), strict=False)
+    except SafetensorError as exc:  # its message names no file
+        raise IntegrityError(f"{weights} is unreadable ({exc}): truncated or corrupt") from exc
     if strict and (missing or unexpected):
-        raise RuntimeError(f"{directory / WEIGHTS_NAME} does not match the rebuilt model: missing {sorted(missing)}, "
+        raise RuntimeError(f"{weights} does not match the rebuilt model: missing {sorted(missing)}, "
                            f"unexpected {sorted(unexpected)}")
     return model.to(device).eval()
+
+
+def resolve_export_dir(path: str | os.PathLike) -> Path:
+    """The export directory ``path`` names: an export itself, or a training run's output directory (its
+    ``final/``). Anything else, a checkpoint of a run included (optimizer and RNG state, not an export),
+    raises FileNotFoundError saying what ``path`` is and where its export is."""
+    path = Path(path)
+    for candidate in (path, path / RUN_EXPORT_DIR):
+        if (candidate / CONFIG_NAME).is_file():
+            return candidate
+    raise FileNotFoundError(describe_non_export(path))
+
+
+def describe_non_export(path: Path) -> str:
+    """Why ``path`` (which has no config.json) is not an export, and where the export is if there is one."""
+    if not path.exists():
+        return f"{path} does not exist"
+    if not path.is_dir():
+        return f"{path} is a file; an export is a directory (config.json + {WEIGHTS_NAME})"
+    if (path / CHECKPOINT_MARKER).is_file() or path.parent.name == RUN_CHECKPOINT_DIR:
+        return (f"{path} is a training checkpoint (optimizer, RNG and data state for resuming), not an export; "
+                + _run_export_hint(path.parent.parent))
+    if (path / RUN_CHECKPOINT_DIR).is_dir() or (path / RUN_EXPORT_DIR).exists():
+        return f"{path} is a run directory; " + _run_export_hint(path)
+    return f"{path / CONFIG_NAME} not found: not an omni export directory (see omni.export.save_pretrained)"
+
+
+def _run_export_hint(run: Path) -> str:
+    final = run / RUN_EXPORT_DIR
+    if (final / CONFIG_NAME).is_file():
+        return f"its export is {final}"
+    if final.exists():
+        return f"its export {final} has no {CONFIG_NAME}: incomplete or corrupt"
+    return f"the run {run} has no export yet ({final} is missing: it has not finished, or ran with export=False)"
+
+
+# ----------------------------------------------------------------------------------------------------
+# Files: atomic JSON, checksums, fsync, disk full
+
+
+def write_json(path: Path, payload: Any) -> None:
+    """Write JSON durably and atomically (temp file, fsync, rename); a failed write leaves no temp file."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "w") as f:
+            json.dump(payload, f, indent=2, sort_keys=True)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def file_sha256(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def write_checksums(directory: Path) -> None:
+    """Record the size and sha256 of every file below ``directory`` in ``directory/checksums.json``
+    (atomically). Call it once every other file is written: files added later are not covered."""
+    files = {p.relative_to(directory).as_posix(): {"bytes": p.stat().st_size, "sha256": file_sha256(p)}
+             for p in sorted(directory.rglob("*")) if p.is_file() and p != directory / CHECKSUMS_NAME}
+    write_json(directory / CHECKSUMS_NAME, {"algorithm": "sha256", "files": files})
+
+
+def verify_checksums(directory: str | os.PathLike) -> bool:
+    """Check every file recorded in ``directory/checksums.json``: IntegrityError naming each one that is
+    missing, has another size (truncated) or another sha256. False when there is no such file (written
+    before checksums existed: nothing to check)."""
+    directory = Path(directory)
+    manifest = directory / CHECKSUMS_NAME
+    if not manifest.is_file():
+        return False
+    try:
+        files = json.loads(manifest.read_text())["files"]
+        problems = [p for p in (_file_problem(directory / rel, rec["bytes"], rec["sha256"])
+                                for rel, rec in sorted(files.items())) if p]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise IntegrityError(f"{manifest} is unreadable ({exc!r}): cannot verify {directory}") from exc
+    if problems:
+        raise IntegrityError(f"{directory} is corrupt: " + "; ".join(problems))
+    return True
+
+
+def _file_problem(path: Path, size: int, sha256: str) -> str | None:
+    if not path.is_file():
+        return f"{path} is missing"
+    try:
+        actual = path.stat().st_size
+        if actual != size:
+            return f"{path} has {actual} bytes where {size} were written (truncated or overwritten)"
+        if file_sha256(path) != sha256:
+            return f"{path} differs from the sha256 recorded when it was written (corrupted)"
+    except OSError as exc:
+        return f"{path} is unreadable ({exc})"
+    return None
+
+
+def is_disk_full(exc: BaseException) -> bool:
+    """ENOSPC anywhere in the exception's chain (torch.save and safetensors wrap the OSError in their own)."""
+    seen: BaseException | None = exc
+    for _ in range(8):
+        if seen is None:
+            return False
+        if isinstance(seen, OSError) and seen.errno == errno.ENOSPC:
+            return True
+        if "No space left on device" in str(seen) or "StorageFull" in str(seen):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
 
 
 def fsync_dir(directory: Path) -> None:
@@ -253,5 +413,6 @@ def build_omni_model(config: dict[str, Any], tokenizers: dict[str, Any]) -> nn.M
     return model
 
 
-__all__ = ["build_omni_model", "get_builder", "load_config", "load_pretrained", "load_tokenizers",
-           "register_builder", "save_pretrained", "tied_names"]
+__all__ = ["DiskFullError", "IntegrityError", "build_omni_model", "get_builder", "load_config", "load_pretrained",
+           "load_tokenizers", "register_builder", "resolve_export_dir", "save_pretrained", "tied_names",
+           "verify_checksums", "write_checksums"]

@@ -22,12 +22,30 @@ What it does, and the traps it avoids (docs/research/pitfalls.md):
 * Non-finite loss. Every rank's per-micro-batch loss flags are summed across ranks before the
   optimizer step; if any is NaN/inf, every rank raises ``NonFiniteLossError`` naming the step, the
   rank, the batch position and the sample keys. Parameters, optimizer and checkpoints stay untouched.
+* One run per output directory. The main process holds ``DirectoryLock(output_dir)`` from the
+  constructor to ``close`` (``fit`` closes at its end and on errors): a second run on the same directory
+  gets ``LockedError`` naming the live holder (pid, host, command). A killed run's lock is free (flock). At
+  the start of ``fit`` the lock holder deletes the temp dirs killed runs left (checkpoint ``.tmp-*`` /
+  ``.trash-*``, export ``.final.tmp-*`` / ``.final.old-*``): no live run can own them.
 * Checkpoints. ``output_dir/checkpoints/step-000100/`` is written as ``.tmp-step-000100/`` (Accelerate
-  ``save_state``: model, optimizer, scheduler, grad scaler, per-rank RNG; plus our per-rank data position
-  and a ``COMPLETE`` marker written last, everything fsynced) and renamed into place by the main process.
+  ``save_state``: model, optimizer, scheduler, grad scaler, per-rank RNG; plus our per-rank data position,
+  ``trainer_state.json`` with the run's config, ``checksums.json`` with every file's sha256, and a
+  ``COMPLETE`` marker written last, everything fsynced) and renamed into place by the main process.
   A crash at any moment leaves the previous checkpoint intact; resume picks the newest directory with the
-  marker and ignores temp dirs. Old checkpoints are renamed away before deletion, so a half-deleted one
-  never looks like a checkpoint.
+  marker and ignores temp dirs. Old checkpoints are renamed away before deletion (and only once the new one
+  is complete), so a half-deleted one never looks like a checkpoint. A full disk (ENOSPC) raises
+  ``DiskFullError`` naming the checkpoint; its partial directory is removed, the previous one is intact.
+* Resume (``TrainConfig.resume``). "auto": resume the newest intact checkpoint when its recorded config
+  (TrainConfig + ``hparams`` + ``export_config``, flattened) matches this run's, else ``ResumeMismatchError``
+  listing ``key: old -> new``; "force": resume even so; "never": ``RunExistsError`` if the directory holds
+  checkpoints or an export. Keys in ``RESUME_IGNORED`` may differ (where the run lives and how it is shown,
+  logged, evaluated, checkpointed and executed: none changes what a step computes). A checkpoint whose
+  files differ from their checksums (or are missing, truncated, unreadable) is reported, renamed to
+  ``corrupt-step-*`` and the previous one is used; if none is intact, ``IntegrityError`` lists why rather
+  than training over them from scratch. A checkpoint whose tensors do not fit the model (another
+  architecture, even under "force") is refused naming the parameters, both shapes and the checkpoint. A
+  run that already finished (checkpoint at ``steps``, intact export) is reported, not trained or exported
+  again; ``fit`` returns the metrics it recorded in ``output_dir/train_results.json``.
 * Exact resume. Model, optimizer, scheduler, RNG (python, numpy, torch, CUDA, per rank) and the data
   position (the loader's own ``state_dict`` when it has one, else the batch count in the epoch, skipped
   on resume) are restored; training N steps, stopping and resuming to 2N gives the same parameters as
@@ -44,7 +62,8 @@ What it does, and the traps it avoids (docs/research/pitfalls.md):
   multi-process launch on a machine without an accelerator runs on the CPU (``use_cpu``), so 2 CPU
   processes reproduce 1 process on the same global batch (tests/test_fsdp2.py).
 * Logging. TensorBoard through Accelerate trackers (``output_dir/logs/<run_name>``) with a flattened
-  config (nested dicts are rejected by TensorBoard's hparams, pitfall 7); tqdm on the main process.
+  config (nested dicts are rejected by TensorBoard's hparams, pitfall 7); tqdm on the main process when
+  stderr is a terminal, else (log files, ``progress=False``) one plain line per ``log_every`` steps.
 * Export. At the end the main process writes ``output_dir/final/`` (model.safetensors + config.json [+
   tokenizers]) with ``omni.export.save_pretrained``; ``omni.export.load_pretrained`` rebuilds it for
   inference with no training code.
@@ -58,13 +77,17 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import errno
 import json
 import math
+import numbers
 import os
 import random
 import re
 import shutil
+import sys
 import time
+import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Mapping
@@ -74,16 +97,40 @@ import torch
 from torch import Tensor, nn
 
 from omni import export as _export
+from omni.export import DiskFullError, IntegrityError
+from omni.lock import DirectoryLock, LockedError
 
-CHECKPOINT_DIR = "checkpoints"
-EXPORT_DIR = "final"
-COMPLETE_MARKER = "COMPLETE"
+CHECKPOINT_DIR = _export.RUN_CHECKPOINT_DIR
+EXPORT_DIR = _export.RUN_EXPORT_DIR
+COMPLETE_MARKER = _export.CHECKPOINT_MARKER
 TRAINER_STATE = "trainer_state.json"
+RESULTS_NAME = "train_results.json"  # the metrics fit returned, for a re-run of a finished run
 _STEP_DIR = re.compile(r"^step-(\d+)$")
+RESUME_MODES = ("auto", "force", "never")
+# Config keys (the last part of a flattened key, in TrainConfig and in the recipe's hparams, which has its
+# own names for some: out, workers, *_every_epochs) that may differ when a run is resumed: where the run
+# lives, how it is shown and logged, how often it evaluates and checkpoints, how it executes. None changes
+# what a step computes (evaluation runs under saved-and-restored RNG streams, checkpoints only read state,
+# compile / cuda_graph / loader workers compute the same steps), so the resumed run still ends where the
+# uninterrupted one would. Everything else (steps, lr, data, seed, model, eval settings) counts.
+RESUME_IGNORED = frozenset({
+    "output_dir", "out", "resume", "progress", "report_to", "run_name", "log_every",
+    "eval_every", "eval_every_epochs", "checkpoint_every", "checkpoint_every_epochs", "keep_checkpoints",
+    "export", "compile", "cuda_graph", "find_unused_parameters", "workers", "num_workers",
+})
 
 
 class NonFiniteLossError(RuntimeError):
     """Loss (or gradient norm) became NaN/inf; raised on every rank before the optimizer step."""
+
+
+class ResumeMismatchError(ValueError):
+    """The output directory holds a run this one cannot continue: another config (resume="auto"), or
+    tensors of other shapes (another architecture, whatever ``resume`` says)."""
+
+
+class RunExistsError(ValueError):
+    """resume="never" and the output directory already holds checkpoints or an export."""
 
 
 @dataclass
@@ -120,18 +167,25 @@ class TrainConfig:
     progress: bool = True  # tqdm bar on the main process; False: one printed line per log_every steps
     report_to: str = "tensorboard"  # any Accelerate tracker name, or "none"
     run_name: str = "omni"  # tracker run name: logs go to output_dir/logs/<run_name>
-    resume: bool = True  # continue from the newest complete checkpoint in output_dir/checkpoints
+    # What to do with a run already in output_dir (module docstring): "auto" resumes its newest intact
+    # checkpoint if the config matches and refuses otherwise, "force" resumes even if the config differs,
+    # "never" refuses if output_dir holds checkpoints or an export (nothing is ever overwritten).
+    resume: str = "auto"
     export: bool = True  # write output_dir/final at the end
 
     def __post_init__(self) -> None:
-        if self.steps < 0:
-            raise ValueError(f"steps must be >= 0, got {self.steps}")
-        if self.grad_accum < 1:
-            raise ValueError(f"grad_accum must be >= 1, got {self.grad_accum}")
-        if self.warmup_steps < 0:
-            raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
-        if not 0.0 <= self.min_lr_ratio <= 1.0:
-            raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        for name, minimum in (("steps", 1), ("warmup_steps", 0), ("grad_accum", 1), ("eval_every", 0),
+                              ("checkpoint_every", 0), ("keep_checkpoints", None), ("log_every", 0), ("seed", 0)):
+            setattr(self, name, _integer(name, getattr(self, name), minimum))
+        self.lr = _real("lr", self.lr, above=0.0)
+        self.min_lr_ratio = _real("min_lr_ratio", self.min_lr_ratio, at_least=0.0, at_most=1.0)
+        self.weight_decay = _real("weight_decay", self.weight_decay, at_least=0.0)
+        self.beta1 = _real("beta1", self.beta1, at_least=0.0, below=1.0)
+        self.beta2 = _real("beta2", self.beta2, at_least=0.0, below=1.0)
+        self.eps = _real("eps", self.eps, above=0.0)
+        self.clip_norm = _real("clip_norm", self.clip_norm)  # <= 0 disables clipping; NaN/inf are mistakes
+        if self.resume not in RESUME_MODES:
+            raise ValueError(f"resume must be one of {', '.join(map(repr, RESUME_MODES))}, got {self.resume!r}")
         if self.mixed_precision not in ("auto", "no", "bf16", "fp16"):
             raise ValueError(f"mixed_precision must be auto, no, bf16 or fp16, got {self.mixed_precision!r}")
         if self.cuda_graph and (self.grad_accum != 1 or self.mixed_precision == "fp16"):
@@ -140,6 +194,29 @@ class TrainConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def _integer(name: str, value: Any, minimum: int | None) -> int:
+    """A TrainConfig integer field (an integral float, e.g. ``--set steps=1e4``, is taken as an int)."""
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"TrainConfig.{name} must be an integer, got {value!r}")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"TrainConfig.{name} must be >= {minimum}, got {value}")
+    return int(value)
+
+
+def _real(name: str, value: Any, *, above: float | None = None, at_least: float | None = None,
+          below: float | None = None, at_most: float | None = None) -> float:
+    """A TrainConfig float field: finite and inside the given bounds."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+        raise ValueError(f"TrainConfig.{name} must be a finite number, got {value!r}")
+    for bound, ok, word in ((above, lambda b: value > b, ">"), (at_least, lambda b: value >= b, ">="),
+                            (below, lambda b: value < b, "<"), (at_most, lambda b: value <= b, "<=")):
+        if bound is not None and not ok(bound):
+            raise ValueError(f"TrainConfig.{name} must be {word} {bound:g}, got {value!r}")
+    return float(value)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -185,6 +262,38 @@ def flatten_config(config: Mapping[str, Any], prefix: str = "") -> dict[str, int
         else:
             flat[name] = str(v)
     return flat
+
+
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+
+
+def run_config(train: TrainConfig, hparams: Mapping[str, Any], export_config: Mapping[str, Any]) -> dict[str, Any]:
+    """What defines a run, flattened (``train.lr``, ``hparams.model.widths``, ``export.trunk.d_model``): saved
+    in every checkpoint and compared on resume. Object addresses in stringified values are dropped: they
+    differ from process to process."""
+    flat = flatten_config({"train": train.to_dict(), "hparams": hparams, "export": export_config})
+    return {k: _ADDRESS.sub("", v) if isinstance(v, str) else v for k, v in flat.items()}
+
+
+def config_differences(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[str]:
+    """``key: old -> new`` for every flattened key that differs, except the ``RESUME_IGNORED`` ones (which
+    never apply to the export config: that is the model itself)."""
+    lines = []
+    for key in sorted(set(old) | set(new)):
+        if not key.startswith("export.") and key.rsplit(".", 1)[-1] in RESUME_IGNORED:
+            continue
+        a, b = old.get(key, _ABSENT), new.get(key, _ABSENT)
+        if not (a == b or (isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b))):
+            lines.append(f"{key}: {a!r} -> {b!r}")
+    return lines
+
+
+class _Absent:
+    def __repr__(self) -> str:
+        return "(absent)"
+
+
+_ABSENT = _Absent()
 
 
 def unwrap(model: nn.Module) -> nn.Module:
@@ -307,21 +416,50 @@ def _count_tokens(batch: Any) -> Tensor | None:
     return (document >= 0).sum() if isinstance(document, Tensor) else None
 
 
-def _write_json(path: Path, payload: Any) -> None:
-    """Write JSON durably and atomically (temp file, fsync, rename)."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w") as f:
-        json.dump(payload, f, indent=2, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def _remove_dir(path: Path) -> None:
     """Rename away, then delete: an interrupted delete never leaves a directory that looks valid."""
     trash = path.with_name(f".trash-{path.name}-{os.getpid()}-{time.monotonic_ns()}")
     os.replace(path, trash)
     shutil.rmtree(trash, ignore_errors=True)
+
+
+def _dirs_named(root: Path, prefixes: tuple[str, ...]) -> list[Path]:
+    return [d for d in root.iterdir() if d.is_dir() and d.name.startswith(prefixes)] if root.is_dir() else []
+
+
+def _read_checkpoint(ckpt: Path) -> tuple[dict[str, Any], dict[str, tuple[int, ...]] | None]:
+    """A checkpoint's trainer state and stored model tensor shapes (None: no model.safetensors, e.g. FSDP
+    shards), once its files match their checksums; IntegrityError naming what is wrong otherwise.
+    Checkpoints written before checksums are only read."""
+    from safetensors import SafetensorError, safe_open
+
+    _export.verify_checksums(ckpt)
+    path = ckpt / TRAINER_STATE
+    try:
+        meta = json.loads(path.read_text())
+        path = ckpt / "model.safetensors"
+        if not path.is_file():
+            return meta, None
+        with safe_open(str(path), framework="pt") as f:
+            return meta, {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    except (OSError, ValueError, SafetensorError) as exc:
+        raise IntegrityError(f"{path} is unreadable ({exc})") from exc
+
+
+def _set_aside(ckpt: Path) -> Path:
+    """Rename a corrupt checkpoint out of the listing: kept for inspection, never resumed or rotated away."""
+    target, n = ckpt.with_name(f"corrupt-{ckpt.name}"), 1
+    while target.exists():
+        target, n = ckpt.with_name(f"corrupt-{ckpt.name}-{n}"), n + 1
+    os.replace(ckpt, target)
+    return target
+
+
+def _is_terminal(stream: Any) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):  # no isatty, or a closed stream
+        return False
 
 
 @contextlib.contextmanager
@@ -597,6 +735,10 @@ class Trainer:
         self._graph: Any = None  # cuda_graph: the GraphedTrainStep, built on the first step (after resume)
         self._graph_layout: tuple[Any, list[bool]] | None = None  # the captured batch's pytree spec, tensor leaves
         self._graph_metrics: dict[str, Tensor] = {}
+        self._config_changed = False  # resumed under resume="force" from a checkpoint of another config
+        # Last, so nothing after it can fail and leave the lock taken: the main process owns output_dir.
+        self._lock = DirectoryLock(self.output_dir, "output directory")
+        self._on_main(self._take_lock)
 
     # -- setup helpers -------------------------------------------------------------------------------
     def _should_prepare(self, data: Any) -> bool:
@@ -640,7 +782,33 @@ class Trainer:
     def _state_payload(self) -> dict[str, Any]:
         return {"step": self.step, "world_size": self.accelerator.num_processes,
                 "compile": self.config.compile, "train_prepared": self._train_prepared,
-                "config": self.config.to_dict(), "time": time.time()}
+                "config": self.config.to_dict(), "run_config": self.run_config(), "time": time.time()}
+
+    def run_config(self) -> dict[str, Any]:
+        """This run's flattened config (``run_config``): recorded in checkpoints, compared on resume."""
+        return run_config(self.config, self.hparams, self.export_config)
+
+    def _take_lock(self) -> None:  # returns nothing: the lock (an open fd) must not travel to other ranks
+        self._lock.acquire()
+
+    def _on_main(self, fn: Callable[[], Any]) -> Any:
+        """``fn()`` on the main process only, its result or exception shared with every rank: one decision,
+        and a failure raised on every rank instead of leaving the others waiting in a collective."""
+        acc = self.accelerator
+        outcome: list[Any] = [None]
+        if acc.is_main_process:
+            try:
+                outcome[0] = (True, fn())
+            except Exception as exc:
+                outcome[0] = (False, exc)
+        if acc.num_processes > 1:
+            from accelerate.utils import broadcast_object_list
+
+            broadcast_object_list(outcome)
+        ok, value = outcome[0]
+        if not ok:
+            raise value
+        return value
 
     # -- checkpoints ---------------------------------------------------------------------------------
     def save_checkpoint(self) -> Path:
@@ -648,43 +816,65 @@ class Trainer:
         acc = self.accelerator
         name = f"step-{self.step:06d}"
         final, tmp = self.checkpoint_root / name, self.checkpoint_root / f".tmp-{name}"
+        try:
+            self._write_checkpoint(tmp, final)
+        except Exception as exc:
+            if not _export.is_disk_full(exc):
+                raise
+            if acc.is_main_process:
+                shutil.rmtree(tmp, ignore_errors=True)  # useless now, and removing it frees the space it took
+            previous = latest_checkpoint(self.output_dir)
+            kept = f"the previous checkpoint {previous} is intact" if previous else "there is no earlier checkpoint"
+            raise DiskFullError(errno.ENOSPC, f"disk full (no space left on device) while writing checkpoint {final} "
+                                f"(at {getattr(exc, 'filename', None) or tmp}); the partial checkpoint was removed "
+                                f"and {kept}: free space on {self.checkpoint_root} and run again (it resumes from "
+                                "there)") from exc
+        if acc.is_main_process and self.config.keep_checkpoints > 0:  # only now that the new one is complete
+            for _, old in list_checkpoints(self.output_dir)[:-self.config.keep_checkpoints]:
+                _remove_dir(old)
+        acc.wait_for_everyone()
+        return final
+
+    def _write_checkpoint(self, tmp: Path, final: Path) -> None:
+        acc = self.accelerator
         if acc.is_main_process:
             if tmp.exists():
                 shutil.rmtree(tmp)
             tmp.mkdir(parents=True)
         acc.wait_for_everyone()
         acc.save_state(str(tmp))  # main: model/optimizer/scheduler; every rank: its RNG file
-        _write_json(tmp / f"data_state_rank{acc.process_index}.json", self._stream.state())
+        _export.write_json(tmp / f"data_state_rank{acc.process_index}.json", self._stream.state())
         acc.wait_for_everyone()
         if acc.is_main_process:
-            _write_json(tmp / TRAINER_STATE, self._state_payload())
+            _export.write_json(tmp / TRAINER_STATE, self._state_payload())
+            _export.write_checksums(tmp)  # every rank's files are in by now
             _export.fsync_tree(tmp)
-            _write_json(tmp / COMPLETE_MARKER, {"step": self.step})
+            _export.write_json(tmp / COMPLETE_MARKER, {"step": self.step})
             _export.fsync_dir(tmp)
             if final.exists():  # a checkpoint of this step from an earlier (non-resumed) run
                 _remove_dir(final)
             os.replace(tmp, final)
             _export.fsync_dir(self.checkpoint_root)
-            if self.config.keep_checkpoints > 0:
-                for _, old in list_checkpoints(self.output_dir)[:-self.config.keep_checkpoints]:
-                    _remove_dir(old)
-        acc.wait_for_everyone()
-        return final
 
     def _clean_stale_dirs(self) -> None:
-        if self.accelerator.is_main_process and self.checkpoint_root.is_dir():
-            for d in self.checkpoint_root.iterdir():
-                if d.is_dir() and (d.name.startswith(".tmp-") or d.name.startswith(".trash-")):
-                    shutil.rmtree(d, ignore_errors=True)
+        """Delete what killed runs left: checkpoint ``.tmp-*`` / ``.trash-*`` and export ``.final.tmp-*`` /
+        ``.final.old-*`` dirs. Only the holder of the run lock does, so no live run's temp dirs are touched."""
+        if self.accelerator.is_main_process and self._lock.held:
+            for d in [*_dirs_named(self.checkpoint_root, (".tmp-", ".trash-")),
+                      *_dirs_named(self.output_dir, (f".{EXPORT_DIR}.tmp-", f".{EXPORT_DIR}.old-"))]:
+                shutil.rmtree(d, ignore_errors=True)
         self.accelerator.wait_for_everyone()
 
+    # -- resume --------------------------------------------------------------------------------------
     def _resume(self) -> Path | None:
-        """Restore everything from the newest complete checkpoint; returns it (None: fresh start)."""
+        """Restore everything from the checkpoint ``_choose_checkpoint`` picks (on the main process, for
+        every rank); returns it (None: fresh start)."""
         acc = self.accelerator
-        ckpt = latest_checkpoint(self.output_dir) if self.config.resume else None
-        if ckpt is None:
+        chosen, self._config_changed = self._on_main(self._choose_checkpoint)
+        if chosen is None:
             self._stream.start(0, 0, None)
             return None
+        ckpt = Path(chosen)
         meta = json.loads((ckpt / TRAINER_STATE).read_text())
         if meta["world_size"] != acc.num_processes:
             raise ValueError(f"{ckpt} was written by {meta['world_size']} processes; resume it with "
@@ -692,9 +882,100 @@ class Trainer:
                              f"streams do not map onto another number of ranks")
         data_state = json.loads((ckpt / f"data_state_rank{acc.process_index}.json").read_text())
         self._stream.start(data_state["epoch"], data_state["position"], data_state["loader"], data_state["rng"])
-        acc.load_state(str(ckpt))
+        try:
+            acc.load_state(str(ckpt))
+        except Exception as exc:
+            exc.add_note(f"omni.train: while restoring the checkpoint {ckpt}")
+            raise
         self.step = int(meta["step"])
         return ckpt
+
+    def _choose_checkpoint(self) -> tuple[str | None, bool]:
+        """Main process: the checkpoint to resume (None: start fresh) and whether its config differs from
+        this run's, as ``config.resume`` says (module docstring)."""
+        found = list_checkpoints(self.output_dir)
+        if self.config.resume == "never":
+            held = [str(p) for _, p in found[-1:]] + ([str(self.export_dir)] if self.export_dir.exists() else [])
+            if held:
+                raise RunExistsError(f"{self.output_dir} already holds a run ({', '.join(held)}) and resume='never': "
+                                     "use another output directory (--out), or resume='auto' to continue it")
+            return None, False
+        corrupt: list[tuple[Path, str]] = []
+        for _, ckpt in reversed(found):
+            try:
+                meta, shapes = _read_checkpoint(ckpt)
+            except IntegrityError as exc:
+                corrupt.append((ckpt, str(exc)))
+                continue
+            changed = self._compare_config(ckpt, meta)
+            self._check_shapes(ckpt, shapes)
+            for bad, why in corrupt:
+                warnings.warn(f"omni.train: {why}; resuming from the previous intact checkpoint {ckpt} instead "
+                              f"({bad.name} is kept as {_set_aside(bad).name})", stacklevel=3)
+            return str(ckpt), changed
+        if corrupt:
+            raise IntegrityError(f"no intact checkpoint to resume in {self.checkpoint_root}; not training over them "
+                                 "from scratch:\n  " + "\n  ".join(why for _, why in corrupt) + "\nMove them away "
+                                 "to start fresh, or use another output directory (--out).")
+        if self.export_dir.exists():
+            print(f"omni.train: {self.output_dir} holds an export but no checkpoint to resume: training from "
+                  f"scratch, {self.export_dir} will be replaced at the end", flush=True)
+        return None, False
+
+    def _compare_config(self, ckpt: Path, meta: Mapping[str, Any]) -> bool:
+        """Whether the checkpoint's recorded run config differs from this run's (ResumeMismatchError under
+        resume="auto"). Checkpoints written before configs were recorded are taken as they are."""
+        old = meta.get("run_config")
+        differences = config_differences(old, self.run_config()) if isinstance(old, Mapping) else []
+        if differences and self.config.resume == "auto":
+            raise ResumeMismatchError(
+                f"{self.output_dir} holds a run with another config (checkpoint {ckpt}):\n  " + "\n  ".join(differences)
+                + "\nResuming would continue that run, not train this one. Pass resume='force' (recipes: --set "
+                "resume=force) to resume it with this config anyway, or use another output directory (--out).")
+        if differences:
+            print(f"omni.train: resume='force': resuming {ckpt} although the config differs:\n  "
+                  + "\n  ".join(differences), flush=True)
+        return bool(differences)
+
+    def _check_shapes(self, ckpt: Path, shapes: Mapping[str, tuple[int, ...]] | None) -> None:
+        """ResumeMismatchError naming every tensor whose checkpoint shape is not the model's, before
+        anything is loaded (whatever ``resume`` says: the weights cannot go into this model)."""
+        if shapes is None:  # sharded (FSDP): load_state's own error, with the checkpoint's path added
+            return
+        model = {k: tuple(v.shape) for k, v in unwrap(self.model).state_dict().items()}
+        wrong = [f"{k}: checkpoint {shapes[k]}, model {model[k]}" for k in sorted(shapes.keys() & model.keys())
+                 if shapes[k] != model[k]]
+        if wrong:
+            raise ResumeMismatchError(f"the checkpoint {ckpt} does not fit this model (another architecture?); "
+                                      "tensors of other shapes:\n  " + "\n  ".join(wrong)
+                                      + "\nTrain this model in another output directory (--out).")
+
+    def _finished(self) -> bool:
+        """Main process, after a resume at ``steps`` with the same config: whether the export is in place too
+        (or none is wanted). A damaged export is reported and written again."""
+        if not self.config.export:
+            return True
+        if not (self.export_dir / _export.CONFIG_NAME).is_file():
+            return False
+        try:
+            _export.verify_checksums(self.export_dir)
+        except IntegrityError as exc:
+            warnings.warn(f"omni.train: {exc}; exporting the final checkpoint again", stacklevel=3)
+            return False
+        return True
+
+    def _report_finished(self, ckpt: Path) -> dict[str, float]:
+        """What a re-run of a finished run returns: the metrics it recorded; nothing is trained or written."""
+        if self.accelerator.is_main_process:
+            exported = f" and its export {self.export_dir} is intact" if self.config.export else ""
+            print(f"omni.train: {self.output_dir} already finished: {ckpt} is at step {self.step} of "
+                  f"{self.config.steps}{exported}; nothing to do (use another output directory to train anew)",
+                  flush=True)
+        try:
+            results = json.loads((self.output_dir / RESULTS_NAME).read_text())
+        except (OSError, ValueError):  # finished before results were recorded
+            results = {}
+        return {**results, "step": self.step}
 
     # -- one optimizer step --------------------------------------------------------------------------
     def _loss(self, batch: Any) -> tuple[Tensor, dict[str, Tensor]]:
@@ -980,28 +1261,43 @@ class Trainer:
 
     # -- the loop ------------------------------------------------------------------------------------
     def fit(self, finish: bool = True) -> dict[str, float]:
-        """Train to ``config.steps`` (resuming if a checkpoint exists), evaluate, checkpoint, export.
-        Returns the last logged training metrics and the final eval metrics. ``finish`` ends the
-        trackers and the process group (``accelerator.end_training``); pass False to keep using
-        collectives (``evaluate`` on a test set) and call ``close()`` yourself."""
+        """Train to ``config.steps`` (resuming as ``config.resume`` says), evaluate, checkpoint, export.
+        Returns the last logged training metrics and the final eval metrics (a run that had already
+        finished: the ones it recorded). ``finish`` ends the trackers, the process group
+        (``accelerator.end_training``) and the hold on output_dir; pass False to keep using collectives
+        (``evaluate`` on a test set) and call ``close()`` yourself."""
+        failed = True
+        try:
+            results = self._fit()
+            failed = False
+        finally:
+            if finish or failed:  # a failed fit ends the run: trackers flushed, process group torn down, lock freed
+                self.close()
+        return results
+
+    def _fit(self) -> dict[str, float]:
         from tqdm.auto import tqdm
 
         acc, cfg = self.accelerator, self.config
         self._clean_stale_dirs()
         resumed = self._resume()
+        if resumed and not self._config_changed and self.step >= cfg.steps and self._on_main(self._finished):
+            return self._report_finished(resumed)
         if acc.trackers == [] and acc.log_with:
             acc.init_trackers(cfg.run_name, config=flatten_config({**cfg.to_dict(), **self.hparams}))
         if resumed and acc.is_main_process:
             print(f"omni.train: resumed from {resumed} at step {self.step}", flush=True)
-        bar = tqdm(total=cfg.steps, initial=self.step, desc="train", dynamic_ncols=True,
-                   disable=not (acc.is_main_process and cfg.progress))
+        # tqdm redraws its line with carriage returns: in a log file (stderr not a terminal) that is one
+        # endless line, so there the main process prints a plain line per log step instead.
+        show_bar = acc.is_main_process and cfg.progress and _is_terminal(sys.stderr)
+        print_lines = acc.is_main_process and not show_bar
+        bar = tqdm(total=cfg.steps, initial=self.step, desc="train", dynamic_ncols=True, disable=not show_bar)
         last_ckpt = self.step if resumed else None
         last_eval: int | None = None
         results: dict[str, float] = {}
         window: list[dict[str, float]] = []
         t0 = time.perf_counter()
         self.model.train()
-        failed = True
         try:
             while self.step < cfg.steps:
                 record = self._train_step()
@@ -1013,9 +1309,10 @@ class Trainer:
                     logged = self._summarise(window, dt, self._stream.epoch)
                     acc.log(logged, step=self.step)
                     bar.set_postfix(loss=f"{logged['train/loss']:.4g}", lr=f"{logged['train/lr']:.3g}")
-                    if acc.is_main_process and not cfg.progress:  # no bar: a plain line, for log files
+                    if print_lines:
                         print(f"step {self.step}/{cfg.steps}: " + ", ".join(
-                            f"{k.removeprefix('train/')} {v:.4g}" for k, v in logged.items()), flush=True)
+                            f"{k.removeprefix('train/')} {v:.4g}" for k, v in logged.items())
+                            + f", it/s {len(window) / dt:.3g}", flush=True)
                     results.update(logged)
                     window, t0 = [], time.perf_counter()
                 if cfg.eval_every > 0 and self.step % cfg.eval_every == 0 and self.evaluates:
@@ -1030,16 +1327,16 @@ class Trainer:
                 self.save_checkpoint()
             if cfg.export:
                 self.export()
-            failed = False
         finally:
             bar.close()
-            if finish or failed:  # a failed fit ends the run: trackers flushed, process group torn down
-                self.close()
         results["step"] = self.step
+        if acc.is_main_process:  # for a re-run of this finished run (_report_finished)
+            _export.write_json(self.output_dir / RESULTS_NAME, results)
         return results
 
     def close(self) -> None:
-        """Finish the trackers and tear down the process group; ``self.model`` becomes the plain module.
+        """Finish the trackers, tear down the process group and release output_dir; ``self.model`` becomes
+        the plain module.
 
         The DDP wrapper is freed first: its C++ Reducer holds the gloo process group, and a process group
         destroyed through the Reducer blocks while holding the GIL on gloo threads that need the GIL
@@ -1048,10 +1345,13 @@ class Trainer:
         import gc
 
         acc = self.accelerator
-        self.model = acc.unwrap_model(self.model, keep_fp32_wrapper=False, keep_torch_compile=False)
-        acc._models.clear()  # Accelerate's own reference to the wrapper
-        gc.collect()
-        acc.end_training()
+        try:
+            self.model = acc.unwrap_model(self.model, keep_fp32_wrapper=False, keep_torch_compile=False)
+            acc._models.clear()  # Accelerate's own reference to the wrapper
+            gc.collect()
+            acc.end_training()
+        finally:
+            self._lock.release()
 
     def _eval_and_log(self, bar: Any) -> dict[str, float]:
         metrics = self.evaluate()
@@ -1073,5 +1373,7 @@ class Trainer:
         return out
 
 
-__all__ = ["NonFiniteLossError", "TrainConfig", "Trainer", "batch_keys", "default_param_groups", "flatten_config",
-           "latest_checkpoint", "list_checkpoints", "lr_multiplier", "seed_everything", "unwrap"]
+__all__ = ["DiskFullError", "IntegrityError", "LockedError", "NonFiniteLossError", "RESUME_IGNORED", "RESUME_MODES",
+           "ResumeMismatchError", "RunExistsError", "TrainConfig", "Trainer", "batch_keys", "config_differences",
+           "default_param_groups", "flatten_config", "latest_checkpoint", "list_checkpoints", "lr_multiplier",
+           "run_config", "seed_everything", "unwrap"]
