@@ -8,6 +8,7 @@ import json
 import logging
 import math
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -373,7 +374,7 @@ def test_dataset_directory_built_by_omni_data(tmp_path, caplog):
     with build.split("val") as w:
         w.write({"__key__": "v0", "cls": 1})
     build.finish()
-    urls, counts = manifest_shards(tmp_path / "ds", "train")
+    urls, counts, _ = manifest_shards(tmp_path / "ds", "train")
     assert counts == [5, 5, 2] and [Path(u).name for u in urls] == [f"train-{i:06d}.tar" for i in range(3)]
     loader = ShardLoader(tmp_path / "ds", decode_key, collate_keys, 4, split="train", fields=("cls",))
     assert len(loader) == 3 and sorted(k for b in loader for k in b) == [f"k{i:02d}" for i in range(12)]
@@ -385,6 +386,45 @@ def test_dataset_directory_built_by_omni_data(tmp_path, caplog):
     loader = ShardLoader(tmp_path / "ds", decode_key, collate_keys, 4, max_corrupt_fraction=0.5)
     assert "changed after the build" in caplog.text
     assert sum(len(b) for b in loader) + loader.stats["corrupt"] == 12 and loader.stats["corrupt"] >= 3
+
+
+def decode_label(sample: dict) -> tuple[str, int]:
+    return sample["__key__"], decode_cls(sample["cls"])
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_shard_changed_after_the_build_fails_the_read_naming_it(tmp_path, num_workers):
+    """One label byte flipped inside an intact tar: same size, every header valid, so only the manifest's
+    sha256 can tell. Every sample of that shard is corrupt, and past max_corrupt_fraction the read fails."""
+    build = Build(tmp_path / "ds", "reader-test", {}, shard_size=5, quiet=True)
+    build.start()
+    with build.split("train") as w:
+        for i in range(15):
+            w.write({"__key__": f"k{i:02d}", "cls": i % 3})
+    build.finish()
+    urls, _, digests = manifest_shards(tmp_path / "ds", "train")
+    assert all(len(d) == 64 for d in digests)
+    shard = Path(urls[1])
+    offset, size = index_shard(shard).samples[1][1]["cls"]  # sample k06, label 0
+    data = bytearray(shard.read_bytes())
+    assert data[offset:offset + size] == b"0"
+    data[offset] = ord("2")
+    shard.write_bytes(bytes(data))
+    assert index_shard(shard).error is None and not index_shard(shard).bad  # the tar itself is fine
+    name = re.escape(str(shard))
+    with pytest.raises(DatasetError, match=rf"shard {name} sha256 mismatch \(manifest says {digests[1]}, file has "
+                                           r"[0-9a-f]{64}\): it changed after the build.*"
+                                           r"--set max_corrupt_fraction=0\.05.*ShardLoader\(max_corrupt_fraction="):
+        list(ShardLoader(tmp_path / "ds", decode_label, collate_keys, 5, shuffle=False, num_workers=num_workers))
+    # allowed to skip them: the other shards' samples train, none of the changed shard's
+    loader = ShardLoader(tmp_path / "ds", decode_label, collate_keys, 5, shuffle=False, num_workers=num_workers,
+                         max_corrupt_fraction=0.5)
+    labels = dict(x for batch in loader for x in batch)
+    assert sorted(labels) == [f"k{i:02d}" for i in (*range(5), *range(10, 15))] and loader.stats["corrupt"] == 5
+    assert {url: n for url, (n, _) in loader.state_dict()["corrupt_shards"].items()} == {str(shard): 5}
+    # bare shard paths carry no digests: nothing to check against, the flipped label is read
+    bare = ShardLoader(urls, decode_label, collate_keys, 5, shuffle=False)
+    assert dict(x for batch in bare for x in batch)["k06"] == 2
 
 
 @pytest.mark.parametrize("fmt", [tarfile.GNU_FORMAT, tarfile.USTAR_FORMAT, tarfile.PAX_FORMAT])

@@ -17,8 +17,11 @@
   is read or decoded, because each batch is addressed by its index (shards are read by random
   access through a tar header index, not streamed).
 * **Corrupt data.** A truncated shard, a truncated member, a sample missing a required field or
-  one that ``decode`` cannot handle is skipped, counted and logged with its key; a run fails with
-  a RuntimeError when more than ``max_corrupt_fraction`` of the samples of an epoch are corrupt.
+  one that ``decode`` cannot handle is skipped, counted and logged with its key; so is every sample
+  of a shard whose sha256 differs from the dataset's manifest (checked when a process first indexes
+  the shard: bytes changed after the build, e.g. a flipped label, would otherwise train silently).
+  A run fails with a DatasetError naming the shards when more than ``max_corrupt_fraction`` of the
+  samples of an epoch are corrupt.
   Skipped samples make their batch smaller. A batch left with no usable sample is never dropped
   (that would desynchronise the ranks) nor yielded as None: it holds one copy of a *filler*, the
   first usable sample that follows it in the rank's order (wrapping, then the whole dataset), a
@@ -51,7 +54,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from omni.data.shards import MANIFEST_NAME, DatasetError, read_manifest
+from omni.data.shards import MANIFEST_NAME, DatasetError, read_manifest, sha256_file
 
 logger = logging.getLogger(__name__)
 
@@ -282,27 +285,31 @@ def count_samples(path: str | os.PathLike[str]) -> int:
     return len(index_shard(path))
 
 
-def manifest_shards(dataset_dir: str | os.PathLike[str], split: str) -> tuple[list[str], list[int]]:
-    """Shard paths and per-shard sample counts of ``split`` from the dataset's manifest.json
-    (written by omni.data.shards.Build; shard names are relative to the dataset folder).
+def manifest_shards(
+    dataset_dir: str | os.PathLike[str], split: str
+) -> tuple[list[str], list[int], list[str | None]]:
+    """Shard paths, per-shard sample counts and sha256 digests (None where the manifest has none)
+    of ``split`` from the dataset's manifest.json (written by omni.data.shards.Build; shard names
+    are relative to the dataset folder).
 
-    A shard whose size differs from the manifest is only logged here: its unreadable samples are
-    then skipped and counted like any corrupt sample, and the corrupt-fraction limit decides.
+    A shard whose size differs from the manifest is only logged here: the reader finds its sha256
+    wrong too, skips and counts its samples as corrupt, and the corrupt-fraction limit decides.
     """
     root = Path(dataset_dir)
     manifest = read_manifest(root)
     splits = manifest["splits"]
     if split not in splits:
         raise DatasetError(f"{root / MANIFEST_NAME} has no split {split!r}; available: {', '.join(sorted(splits)) or 'none'}")
-    urls, counts = [], []
+    urls, counts, digests = [], [], []
     for shard in splits[split]["shards"]:
         path = root / shard["name"]
         if path.is_file() and "bytes" in shard and path.stat().st_size != shard["bytes"]:
             logger.warning("shard %s has %d bytes but the manifest says %d: it changed after the build; "
-                           "its unreadable samples will be skipped as corrupt", path, path.stat().st_size, shard["bytes"])
+                           "its samples will be skipped as corrupt", path, path.stat().st_size, shard["bytes"])
         urls.append(str(path))
         counts.append(int(shard["count"]))
-    return urls, counts
+        digests.append(shard.get("sha256"))
+    return urls, counts, digests
 
 
 def _expand_source(source: Any) -> list[str]:
@@ -336,6 +343,7 @@ class _Config:
     shuffle_window: int
     drop_last: bool
     fields: tuple[str, ...]
+    sha256: tuple[str | None, ...] = ()  # per shard, from the manifest; () for bare shard paths
 
     @property
     def num_samples(self) -> int:
@@ -440,13 +448,21 @@ class _Reader:
         self._files: OrderedDict[int, BinaryIO] = OrderedDict()
 
     def index(self, sid: int) -> ShardIndex:
+        """The shard's header index, built once per process; with a manifest digest the whole file is
+        hashed first, and a mismatch marks every sample corrupt."""
         if sid not in self._index:
-            idx = index_shard(self.cfg.urls[sid])
+            url = self.cfg.urls[sid]
+            idx = index_shard(url)
             if len(idx) > self.cfg.counts[sid]:
                 logger.warning(
                     "shard %s holds %d samples but its count is %d; the extra samples are never read",
-                    self.cfg.urls[sid], len(idx), self.cfg.counts[sid],
+                    url, len(idx), self.cfg.counts[sid],
                 )
+            expected = self.cfg.sha256[sid] if self.cfg.sha256 else None
+            if expected is not None and (actual := sha256_file(url)) != expected:
+                why = (f"shard {url} sha256 mismatch (manifest says {expected}, file has {actual}): "
+                       "it changed after the build")
+                idx = ShardIndex(url, idx.samples, dict.fromkeys(range(len(idx)), why), idx.error or why)
             self._index[sid] = idx
         return self._index[sid]
 
@@ -618,8 +634,9 @@ class ShardLoader:
     fields:      required fields (extensions); a sample lacking one is corrupt.
     counts:      per-shard sample counts; read from the manifest for a dataset directory, else
                  counted by scanning the tar headers once.
-    max_corrupt_fraction: fail when corrupt/seen in an epoch exceeds it (checked once
-                 ``corrupt_check_after`` samples were seen, and at the end of every epoch).
+    max_corrupt_fraction: fail (DatasetError) when corrupt/seen in an epoch exceeds it (checked once
+                 ``corrupt_check_after`` samples were seen, and at the end of every epoch). Recipes
+                 expose it as the config key ``max_corrupt_fraction``.
 
     Iterating yields the remaining batches of the current epoch, then moves to the next epoch.
     ``state_dict()`` is the position of the next batch; save it with the model checkpoint.
@@ -647,10 +664,11 @@ class ShardLoader:
         prefetch_factor: int = 2,
         multiprocessing_context: str | None = None,
     ) -> None:
+        digests: list[str | None] = []  # checked against each shard when first indexed (manifest only)
         if isinstance(source, (str, os.PathLike)) and Path(source).is_dir():
             if counts is not None:
                 raise ValueError("counts comes from the manifest when source is a dataset directory")
-            urls, counts = manifest_shards(source, split)
+            urls, counts, digests = manifest_shards(source, split)
         else:
             urls = _expand_source(source)
         if not urls:
@@ -677,7 +695,7 @@ class ShardLoader:
             urls=tuple(urls), counts=tuple(int(c) for c in counts), decode=decode, collate=collate,
             batch_size=int(batch_size), rank=int(rank), world_size=int(world_size), seed=int(seed),
             shuffle=bool(shuffle), shuffle_window=int(shuffle_window), drop_last=bool(drop_last),
-            fields=tuple(f.lower() for f in fields),
+            fields=tuple(f.lower() for f in fields), sha256=tuple(digests),
         )
         self.num_workers = num_workers
         self.max_corrupt_fraction = max_corrupt_fraction
@@ -718,7 +736,9 @@ class ShardLoader:
 
     @staticmethod
     def _fresh_stats() -> dict[str, Any]:
-        return {"seen": 0, "valid": 0, "corrupt": 0, "filtered": 0, "fillers": 0, "corrupt_keys": []}
+        # corrupt_shards: shard path -> [corrupt samples, the first one's key and reason] (for the error)
+        return {"seen": 0, "valid": 0, "corrupt": 0, "filtered": 0, "fillers": 0, "corrupt_keys": [],
+                "corrupt_shards": {}}
 
     def set_epoch(self, epoch: int) -> None:
         """Go to the start of ``epoch``; a no-op when already in it (so it is safe after a resume)."""
@@ -734,9 +754,11 @@ class ShardLoader:
     def state_dict(self) -> dict[str, Any]:
         """Position of the next batch plus this epoch's corruption counters (identical positions on
         every rank, so rank 0's state resumes all of them)."""
-        stats = {k: v for k, v in self.stats.items() if k != "corrupt_keys"}
+        stats = {k: v for k, v in self.stats.items() if k not in ("corrupt_keys", "corrupt_shards")}
         return {"epoch": self.epoch, "batches_done": self.batches_done, **stats,
-                "corrupt_keys": list(self.stats["corrupt_keys"]), "plan": self._fingerprint()}
+                "corrupt_keys": list(self.stats["corrupt_keys"]),
+                "corrupt_shards": {k: list(v) for k, v in self.stats["corrupt_shards"].items()},
+                "plan": self._fingerprint()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         epoch, done = int(state["epoch"]), int(state["batches_done"])
@@ -756,6 +778,7 @@ class ShardLoader:
         for k in ("seen", "valid", "corrupt", "filtered", "fillers"):
             self.stats[k] = int(state.get(k, 0))
         self.stats["corrupt_keys"] = list(state.get("corrupt_keys", []))
+        self.stats["corrupt_shards"] = {k: list(v) for k, v in state.get("corrupt_shards", {}).items()}
 
     # -- iteration ---------------------------------------------------------------------------
 
@@ -815,6 +838,10 @@ class ShardLoader:
             logger.warning("corrupt sample %r in %s skipped: %s", key, url, reason)
             if len(s["corrupt_keys"]) < 20:
                 s["corrupt_keys"].append(key)
+            if url in s["corrupt_shards"]:
+                s["corrupt_shards"][url][0] += 1
+            elif len(s["corrupt_shards"]) < 20:
+                s["corrupt_shards"][url] = [1, f"{key!r}: {reason}"]
         if item.filler_key is not None:
             s["fillers"] += 1
             logger.warning("epoch %d batch %d of rank %d had no usable sample; it repeats sample %r so every "
@@ -827,8 +854,11 @@ class ShardLoader:
         if seen == 0 or (not final and seen < self.corrupt_check_after):
             return
         if bad / seen > self.max_corrupt_fraction:
-            raise RuntimeError(
+            shards = "; ".join(f"{url}: {n} corrupt, first {first}" for url, (n, first) in
+                               list(s["corrupt_shards"].items())[:5])
+            raise DatasetError(
                 f"{bad} of {seen} samples ({bad / seen:.2%}) read by rank {self.cfg.rank} in epoch {self.epoch} "
-                f"were corrupt, more than max_corrupt_fraction={self.max_corrupt_fraction:g}; first corrupt keys: "
-                f"{s['corrupt_keys'][:10]}. Rebuild or fix the shards, or raise max_corrupt_fraction."
+                f"were corrupt, more than max_corrupt_fraction={self.max_corrupt_fraction:g}. By shard: {shards}. "
+                "Rebuild or fix the shards (`omni data verify DIR` checks a dataset), or accept more corrupt samples: "
+                "`--set max_corrupt_fraction=0.05` for a recipe, ShardLoader(max_corrupt_fraction=0.05) in Python."
             )
