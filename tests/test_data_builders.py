@@ -20,6 +20,7 @@ from omni.data.builders_speech import build_librispeech, build_speech_synth
 from omni.data.builders_text import build_text, chunk_text
 from omni.data.builders_vision import FASHION_MNIST_CLASSES, build_fashion_mnist, build_images
 from omni.cli import main as cli_main
+from omni.lock import LOCK_NAME, DirectoryLock, LockedError
 from omni.data.speech import clean_sentence, extract_sentences, resample, sentence_key, split_sentences
 
 
@@ -44,7 +45,8 @@ def check_manifest(out: Path, counts: dict[str, int]) -> dict:
 
 
 def mtimes(out: Path) -> dict[str, int]:
-    return {p.name: p.stat().st_mtime_ns for p in out.iterdir()}
+    """Modification times of the dataset's files (the build lock's holder record changes on every run)."""
+    return {p.name: p.stat().st_mtime_ns for p in out.iterdir() if p.name != LOCK_NAME}
 
 
 def write_idx(path: Path, arr: np.ndarray) -> None:
@@ -108,13 +110,13 @@ def test_readers_only_trust_the_manifest(tmp_path: Path) -> None:
 
 
 def test_writer_exception_leaves_no_temp(tmp_path: Path) -> None:
-    build = sh.Build(tmp_path, "unit", {}, shard_size=10, quiet=True)
-    build.start()
     with pytest.raises(RuntimeError, match="boom"):
-        with build.split("train") as w:
-            w.write({"__key__": "a", "txt": "x"})
-            raise RuntimeError("boom")
-    assert list(tmp_path.iterdir()) == []
+        with sh.Build(tmp_path, "unit", {}, shard_size=10, quiet=True) as build:
+            build.start()
+            with build.split("train") as w:
+                w.write({"__key__": "a", "txt": "x"})
+                raise RuntimeError("boom")
+    assert [p.name for p in tmp_path.iterdir()] == [LOCK_NAME]  # no shard, temp file or staging folder
 
 
 # -- fashion-mnist ----------------------------------------------------------------------------------
@@ -166,17 +168,23 @@ def test_fashion_mnist_errors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
         build_fashion_mnist(tmp_path / "o", source=tmp_path)
     with pytest.raises(ValueError, match="format must be"):
         build_fashion_mnist(tmp_path / "o", source=tmp_path, format="jpeg")
-    # no Debian package, no network: the message says what to install
-    monkeypatch.setattr(builders_vision, "FASHION_MNIST_DIR", str(tmp_path / "nowhere"))
+    # no Debian package, no network, a download asked for: the message says what to install instead
+    monkeypatch.setenv("OMNI_FASHION_MNIST_DIR", str(tmp_path / "nowhere"))
 
     def offline(*args: object, **kwargs: object) -> None:
         raise urllib.error.URLError("no network")
 
     monkeypatch.setattr(builders_vision.urllib.request, "urlopen", offline)
-    with pytest.raises(FileNotFoundError, match=r"download failed .*apt-get install dataset-fashion-mnist.*--source DIR"):
-        build_fashion_mnist(tmp_path / "o")
-    with pytest.raises(FileNotFoundError, match="apt-get install dataset-fashion-mnist"):
-        build_fashion_mnist(tmp_path / "o", download=False)
+    with pytest.raises(FileNotFoundError, match=r"download failed .*nowhere.*apt-get install dataset-fashion-mnist"
+                                                r".*OMNI_FASHION_MNIST_DIR.*--source DIR"):
+        build_fashion_mnist(tmp_path / "o", download=True)
+    # a damaged IDX file is the user's data: a ValueError naming it (one `error:` line in the CLI)
+    (tmp_path / "bad").mkdir()
+    for pair in builders_vision.FASHION_MNIST_FILES.values():
+        for stem in pair:
+            (tmp_path / "bad" / f"{stem}.gz").write_bytes(gzip.compress(b"\0\0\x08\x03" + b"\0" * 40)[:-9])
+    with pytest.raises(ValueError, match="not a valid gzip file"):
+        build_fashion_mnist(tmp_path / "o", source=tmp_path / "bad")
 
 
 # -- images -----------------------------------------------------------------------------------------
@@ -487,13 +495,96 @@ def test_text_builder_and_tokenizer_fit(tmp_path: Path) -> None:
     assert tok.decode(tok.encode("Third paragraph.").tokens) == "Third paragraph."
 
 
+def one_error_line(capsys: pytest.CaptureFixture, command: str) -> str:
+    """The stderr of a failed `omni data` command: exactly one `omni data X: error:` line, no traceback."""
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"omni {command}: error: ") and "Traceback" not in err, err
+    return err
+
+
 def test_cli_runs_and_reports_bad_arguments(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     (tmp_path / "t.txt").write_text("hello world\n")
     assert cli_main(["data", "text", "--src", str(tmp_path / "t.txt"), "--out", str(tmp_path / "o"), "-q"]) == 0
     assert cli_main(["data", "verify", str(tmp_path / "o")]) == 0
     assert "train: 1 samples, 1 shard(s)" in capsys.readouterr().out
     assert cli_main(["data", "images", "--src", str(tmp_path / "missing"), "--out", str(tmp_path / "i")]) == 2
-    assert "omni data images: error:" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        cli_main(["data", "gym", "--out", str(tmp_path / "g"), "--episodes", "0"])
-    assert "expected a positive integer, got 0" in capsys.readouterr().err
+    assert str(tmp_path / "missing") in one_error_line(capsys, "data images")
+    for argv, why in ((["gym", "--out", str(tmp_path / "g"), "--episodes", "0"], "expected a positive integer, got 0"),
+                      (["images", "--out", str(tmp_path / "i")], "the following arguments are required: --src"),
+                      (["text", "--out", str(tmp_path / "t"), "--max-chars", "x"], "argument --max-chars")):
+        try:
+            status = cli_main(["data", *argv])
+        except SystemExit as exc:  # argparse's own exit, where the `omni` parser lets it through
+            status = exc.code
+        assert status == 2 and why in one_error_line(capsys, f"data {argv[0]}")
+
+
+def text_dataset(tmp_path: Path, max_chars: int) -> tuple[list[str], Path]:
+    """`omni data text` arguments for a few one-chunk shards, and the dataset folder."""
+    src = tmp_path / "corpus.txt"
+    src.write_text("\n\n".join(f"Paragraph number {i} of the corpus, with some words." for i in range(6)))
+    out = tmp_path / "text"
+    return ["data", "text", "--src", str(src), "--out", str(out), "--shard-size", "1", "-q",
+            "--max-chars", str(max_chars)], out
+
+
+def snapshot(out: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in out.iterdir() if p.is_file() and p.name != LOCK_NAME}
+
+
+def test_a_failed_force_rebuild_leaves_the_old_dataset(tmp_path: Path, capsys: pytest.CaptureFixture,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--force` with other arguments, the disk filling up after two new shards: the old dataset is still
+    there, byte for byte, and verifies; the error is one line saying the disk is full and where."""
+    import errno
+
+    argv, out = text_dataset(tmp_path, 200)
+    assert cli_main(argv) == 0
+    before = snapshot(out)
+    new_argv = [*argv[:-1], "30", "--force"]
+    real_write, written = sh._HashingFile.write, []
+
+    def fill_up(self: sh._HashingFile, b: bytes) -> int:
+        written.append(len(b))
+        if sum(written) > 20_000:  # a few shards in: the new dataset is half written
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write(self, b)
+
+    monkeypatch.setattr(sh._HashingFile, "write", fill_up)
+    assert cli_main(new_argv) == 2
+    err = one_error_line(capsys, "data text")
+    assert "the disk is full" in err and str(out) in err
+    assert snapshot(out) == before and not (out / sh.STAGING_NAME).exists()
+    sh.verify_dataset(out)
+
+    # a build killed outright (no cleanup at all) leaves its staging folder, the old dataset intact
+    monkeypatch.setattr(sh.Build, "abort", lambda self: None)
+    written.clear()
+    assert cli_main(new_argv) == 2
+    capsys.readouterr()
+    assert (out / sh.STAGING_NAME).is_dir() and snapshot(out) == before
+    sh.verify_dataset(out)
+    monkeypatch.undo()
+    # the old arguments again: up to date (the leftover dropped); the new ones: the new dataset replaces the old
+    assert cli_main(argv) == 0 and snapshot(out) == before and not (out / sh.STAGING_NAME).exists()
+    assert cli_main(new_argv) == 0
+    m = check_manifest(out, {"train": 12})
+    assert sorted(p.name for p in out.glob("*.tar")) == sorted(s["name"] for s in m["splits"]["train"]["shards"])
+    assert m["args"]["max_chars"] == 30 and not (out / sh.STAGING_NAME).exists()
+
+
+def test_a_second_build_into_one_folder_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    import os
+
+    argv, out = text_dataset(tmp_path, 200)
+    holder = DirectoryLock(out, "dataset directory").acquire()  # a build running in another process
+    try:
+        with pytest.raises(LockedError, match=rf"dataset directory {out} is in use by pid {os.getpid()}"):
+            build_text(out, src=[tmp_path / "corpus.txt"], quiet=True)
+        assert cli_main(argv) == 2
+        assert f"dataset directory {out} is in use by pid {os.getpid()}" in one_error_line(capsys, "data text")
+        assert not (out / sh.MANIFEST_NAME).exists()
+    finally:
+        holder.release()
+    assert cli_main(argv) == 0
+    check_manifest(out, {"train": 2})

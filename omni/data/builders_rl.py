@@ -262,70 +262,70 @@ def build_gym(
         with minari_root(minari_root_dir):
             root = str(_minari_dataset_dir("").resolve())
 
-    build = Build(
+    with Build(
         out, "gym",
         {"env": env, "episodes": episodes, "mix": {k: round(v, 12) for k, v in sorted(weights.items())}, "seed": seed,
          "val_fraction": val_fraction, "reference_episodes": reference_episodes, "minari_id": mid, "minari_root": root,
          **({"policy_sha256": source["sha256"]} if (source := policy_source(env)) else {})},
         source={"gymnasium": gym.__version__}, shard_size=shard_size, quiet=quiet, force=force,
-    )  # fmt: skip
+    ) as build:  # fmt: skip
 
-    def minari_present(manifest: dict[str, Any]) -> bool:
-        if mid is None:
-            return True
-        with minari_root(root):
-            return (_minari_dataset_dir(mid) / "data").is_dir()
+        def minari_present(manifest: dict[str, Any]) -> bool:
+            if mid is None:
+                return True
+            with minari_root(root):
+                return (_minari_dataset_dir(mid) / "data").is_dir()
 
-    if (manifest := build.up_to_date(minari_present)) is not None:
-        return manifest
+        if (manifest := build.up_to_date(minari_present)) is not None:
+            return manifest
 
-    rng = np.random.default_rng([seed, 1])
-    policies = [name for name in sorted(counts) for _ in range(counts[name])]
-    policies = [policies[i] for i in rng.permutation(len(policies))]
-    n_val = int(round(val_fraction * episodes))
-    split_of = ["val" if i < n_val else "train" for i in range(episodes)]
-    split_of = [split_of[i] for i in rng.permutation(episodes)]
+        rng = np.random.default_rng([seed, 1])
+        policies = [name for name in sorted(counts) for _ in range(counts[name])]
+        policies = [policies[i] for i in rng.permutation(len(policies))]
+        n_val = int(round(val_fraction * episodes))
+        split_of = ["val" if i < n_val else "train" for i in range(episodes)]
+        split_of = [split_of[i] for i in rng.permutation(episodes)]
 
-    build.start()
-    environment = gym.make(env)
-    recorded: list[dict[str, np.ndarray]] = []
-    returns: dict[str, list[float]] = {}
-    # Every split writer closes on success and aborts (drops its temp shard) on any error.
-    with contextlib.ExitStack() as stack:
-        writers = {s: stack.enter_context(build.split(s, total=split_of.count(s)))
-                   for s in ("train", "val") if s in split_of}
-        counters = dict.fromkeys(writers, 0)
-        for i, name in enumerate(policies):
-            ep_seed = seed * 1_000_003 + i
-            ep_rng = np.random.default_rng([seed, 2, i])
-            ep = rollout(environment, make_policy(env, name, action_space, ep_rng), ep_seed, ep_rng)
-            ret = float(ep["rewards"].sum())
-            returns.setdefault(name, []).append(ret)
-            split = split_of[i]
-            meta = {"env_id": env, "policy": name, "return": ret, "length": int(len(ep["actions"])), "seed": ep_seed,
-                    "episode": i}  # fmt: skip
-            writers[split].write({"__key__": f"{split}_{counters[split]:07d}", "npz": episode_npz(ep), "json": meta})
-            counters[split] += 1
-            if minari:
-                recorded.append(ep)
-    environment.close()
-    refs = reference_returns(env, reference_episodes) if reference_episodes > 0 else {"random": None, "expert": None}
-    minari_path = None
-    if minari:
-        desc = f"{episodes} episodes of {env} from omni's behaviour policies, mix {mix}, seed {seed}"
-        with minari_root(root):
-            minari_path = str(write_minari(mid, recorded, env, refs, desc))
-    return build.finish(
-        env_id=env,
-        observation_space=_space_info(observation_space),
-        action_space=_space_info(action_space),
-        policy_counts=counts,
-        policy_returns={k: _stats(v) for k, v in sorted(returns.items())},
-        reference_returns=refs,
-        behaviour_policy_file=source,
-        minari={"id": mid, "path": minari_path} if minari else None,
-        fields={"npz": NPZ_FIELD, "json": "{env_id, policy, return, length, seed, episode}"},
-    )
+        build.start()
+        environment = gym.make(env)
+        recorded: list[dict[str, np.ndarray]] = []
+        returns: dict[str, list[float]] = {}
+        # Every split writer closes on success and aborts (drops its temp shard) on any error.
+        with contextlib.ExitStack() as stack:
+            writers = {s: stack.enter_context(build.split(s, total=split_of.count(s)))
+                       for s in ("train", "val") if s in split_of}
+            counters = dict.fromkeys(writers, 0)
+            for i, name in enumerate(policies):
+                ep_seed = seed * 1_000_003 + i
+                ep_rng = np.random.default_rng([seed, 2, i])
+                ep = rollout(environment, make_policy(env, name, action_space, ep_rng), ep_seed, ep_rng)
+                ret = float(ep["rewards"].sum())
+                returns.setdefault(name, []).append(ret)
+                split = split_of[i]
+                meta = {"env_id": env, "policy": name, "return": ret, "length": int(len(ep["actions"])), "seed": ep_seed,
+                        "episode": i}  # fmt: skip
+                writers[split].write({"__key__": f"{split}_{counters[split]:07d}", "npz": episode_npz(ep), "json": meta})
+                counters[split] += 1
+                if minari:
+                    recorded.append(ep)
+        environment.close()
+        refs = reference_returns(env, reference_episodes) if reference_episodes > 0 else {"random": None, "expert": None}
+        minari_path = None
+        if minari:
+            desc = f"{episodes} episodes of {env} from omni's behaviour policies, mix {mix}, seed {seed}"
+            with minari_root(root):
+                minari_path = str(write_minari(mid, recorded, env, refs, desc))
+        return build.finish(
+            env_id=env,
+            observation_space=_space_info(observation_space),
+            action_space=_space_info(action_space),
+            policy_counts=counts,
+            policy_returns={k: _stats(v) for k, v in sorted(returns.items())},
+            reference_returns=refs,
+            behaviour_policy_file=source,
+            minari={"id": mid, "path": minari_path} if minari else None,
+            fields={"npz": NPZ_FIELD, "json": "{env_id, policy, return, length, seed, episode}"},
+        )
 
 
 # -- Minari import ----------------------------------------------------------------------------------
@@ -372,57 +372,58 @@ def build_minari(
                 "this command does not download)"
             )
         files = sorted(p for p in path.rglob("*") if p.is_file())
-        build = Build(
+        with Build(
             out, "minari", {"id": dataset_id, "val_fraction": val_fraction, "seed": seed},
             source={"files": len(files), "stat_sha256": fingerprint_files(files, path)},
             shard_size=shard_size, quiet=quiet, force=force,
-        )  # fmt: skip
-        if (manifest := build.up_to_date()) is not None:
-            return manifest
-        dataset = minari.load_dataset(dataset_id)
-        meta = dataset.storage.metadata
-        env_spec = dataset.spec.env_spec if hasattr(dataset, "spec") else None
-        env_id = env_spec.id if env_spec is not None else None
-        n = dataset.total_episodes
-        rng = np.random.default_rng([seed, 3])
-        n_val = int(round(val_fraction * n))
-        val = set(rng.permutation(n)[:n_val].tolist())
-        build.start()
-        returns: list[float] = []
-        policy = meta.get("algorithm_name") or "minari"
-        with contextlib.ExitStack() as stack:  # writers close on success, abort on any error
-            writers = {"train": stack.enter_context(build.split("train", total=n - n_val))}
-            if n_val:
-                writers["val"] = stack.enter_context(build.split("val", total=n_val))
-            counters = dict.fromkeys(writers, 0)
-            for j, ep in enumerate(dataset.iterate_episodes()):
-                arrays = {
-                    "observations": _flat(ep.observations, dataset.observation_space, f"episode {ep.id} observations"),
-                    "actions": _flat(ep.actions, dataset.action_space, f"episode {ep.id} actions"),
-                    "rewards": np.asarray(ep.rewards, dtype=np.float32),
-                    "terminations": np.asarray(ep.terminations, dtype=bool),
-                    "truncations": np.asarray(ep.truncations, dtype=bool),
-                }
-                if arrays["observations"].dtype == np.float64:
-                    arrays["observations"] = arrays["observations"].astype(np.float32)
-                if arrays["actions"].dtype.kind == "f":
-                    arrays["actions"] = arrays["actions"].astype(np.float32)
-                elif arrays["actions"].dtype.kind in "iu":
-                    arrays["actions"] = arrays["actions"].astype(np.int64)
-                ret = float(arrays["rewards"].sum())
-                returns.append(ret)
-                split = "val" if j in val else "train"
-                info = {"env_id": env_id, "policy": policy, "return": ret, "length": int(len(arrays["actions"])),
-                        "episode": int(ep.id)}  # fmt: skip
-                writers[split].write({"__key__": f"{split}_{counters[split]:07d}", "npz": episode_npz(arrays), "json": info})
-                counters[split] += 1
-        return build.finish(
-            env_id=env_id,
-            minari={"id": dataset_id, "path": str(path), "minari_version": meta.get("minari_version")},
-            observation_space=_space_info(dataset.observation_space),
-            action_space=_space_info(dataset.action_space),
-            policy_returns={policy: _stats(returns)} if returns else {},
-            reference_returns={"random": meta.get("ref_min_score"), "expert": meta.get("ref_max_score"),
-                               "source": "minari metadata"},  # fmt: skip
-            fields={"npz": NPZ_FIELD, "json": "{env_id, policy, return, length, episode}"},
-        )
+        ) as build:  # fmt: skip
+            if (manifest := build.up_to_date()) is not None:
+                return manifest
+            dataset = minari.load_dataset(dataset_id)
+            meta = dataset.storage.metadata
+            env_spec = dataset.spec.env_spec if hasattr(dataset, "spec") else None
+            env_id = env_spec.id if env_spec is not None else None
+            n = dataset.total_episodes
+            rng = np.random.default_rng([seed, 3])
+            n_val = int(round(val_fraction * n))
+            val = set(rng.permutation(n)[:n_val].tolist())
+            build.start()
+            returns: list[float] = []
+            policy = meta.get("algorithm_name") or "minari"
+            with contextlib.ExitStack() as stack:  # writers close on success, abort on any error
+                writers = {"train": stack.enter_context(build.split("train", total=n - n_val))}
+                if n_val:
+                    writers["val"] = stack.enter_context(build.split("val", total=n_val))
+                counters = dict.fromkeys(writers, 0)
+                for j, ep in enumerate(dataset.iterate_episodes()):
+                    arrays = {
+                        "observations": _flat(ep.observations, dataset.observation_space, f"episode {ep.id} observations"),
+                        "actions": _flat(ep.actions, dataset.action_space, f"episode {ep.id} actions"),
+                        "rewards": np.asarray(ep.rewards, dtype=np.float32),
+                        "terminations": np.asarray(ep.terminations, dtype=bool),
+                        "truncations": np.asarray(ep.truncations, dtype=bool),
+                    }
+                    if arrays["observations"].dtype == np.float64:
+                        arrays["observations"] = arrays["observations"].astype(np.float32)
+                    if arrays["actions"].dtype.kind == "f":
+                        arrays["actions"] = arrays["actions"].astype(np.float32)
+                    elif arrays["actions"].dtype.kind in "iu":
+                        arrays["actions"] = arrays["actions"].astype(np.int64)
+                    ret = float(arrays["rewards"].sum())
+                    returns.append(ret)
+                    split = "val" if j in val else "train"
+                    info = {"env_id": env_id, "policy": policy, "return": ret, "length": int(len(arrays["actions"])),
+                            "episode": int(ep.id)}  # fmt: skip
+                    writers[split].write({"__key__": f"{split}_{counters[split]:07d}", "npz": episode_npz(arrays),
+                                          "json": info})
+                    counters[split] += 1
+            return build.finish(
+                env_id=env_id,
+                minari={"id": dataset_id, "path": str(path), "minari_version": meta.get("minari_version")},
+                observation_space=_space_info(dataset.observation_space),
+                action_space=_space_info(dataset.action_space),
+                policy_returns={policy: _stats(returns)} if returns else {},
+                reference_returns={"random": meta.get("ref_min_score"), "expert": meta.get("ref_max_score"),
+                                   "source": "minari metadata"},  # fmt: skip
+                fields={"npz": NPZ_FIELD, "json": "{env_id, policy, return, length, episode}"},
+            )

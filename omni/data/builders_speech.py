@@ -33,17 +33,12 @@ def load_paragraphs(text: Sequence[str | os.PathLike] | None) -> tuple[list[str]
     """Paragraphs of the text corpus and a description of it.
 
     ``text``: UTF-8 text files and/or folders holding the janeaustenr R package (read with
-    ``omni.tokenizers.text.austen_novels``); None means that package where Debian installs it.
+    ``omni.tokenizers.text.austen_novels``); None means that package (``austen_dir()``).
     """
-    from omni.tokenizers.text import AUSTEN_DIR, austen_novels
+    from omni.tokenizers.text import austen_dir, austen_novels
 
     if not text:
-        if not Path(AUSTEN_DIR).is_dir():
-            raise FileNotFoundError(
-                f"no text corpus: install the public-domain Austen novels (`apt-get install r-cran-janeaustenr`, "
-                f"read from {AUSTEN_DIR}) or pass --text FILE [FILE ...] with your own (public-domain) text"
-            )
-        text = [AUSTEN_DIR]
+        text = [austen_dir("; or pass --text FILE [FILE ...] with your own (public-domain) text")]
     paragraphs: list[str] = []
     names = []
     for p in map(Path, text):
@@ -178,41 +173,41 @@ def build_speech_synth(
         "snrs": list(snrs), "noise_kinds": list(noise_kinds), "min_words": min_words, "max_words": max_words,
         "seed": seed, "sample_rate": SAMPLE_RATE,
     }  # fmt: skip
-    build = Build(
+    with Build(
         out, "speech-synth", args, source={"corpus": corpus, "sentences": len(sentences), "sha256": corpus_hash},
         shard_size=shard_size, quiet=quiet, force=force,
-    )  # fmt: skip
-    if (manifest := build.up_to_date()) is not None:
-        return manifest
-    check_voices(f"{v}+{x}" if x else v for v in voices for x in variants)
-    build.start()
-    stats: dict[str, Any] = {}
-    for split_id, (split, sents, n, per) in enumerate(
-        [("train", train_sents, train, per_sentence), ("test", test_sents, test, 1)]
-    ):
-        if n == 0:
-            continue
-        jobs = _jobs(split, split_id, sents, n, per, voices, variants, rates, pitches, snrs, noise_kinds, seed)
-        seconds = 0.0
-        with build.split(split, total=n) as w:
-            for key, flac, meta, transcript in _render_all(jobs, workers):
-                w.write({"__key__": key, "flac": flac, "txt": transcript, "json": meta})
-                seconds += meta["duration"]
-        stats[split] = {
-            "sentences": min(len(sents), -(-n // per)),
-            "hours": round(seconds / 3600, 4),
-        }
-    return build.finish(
-        sample_rate=SAMPLE_RATE,
-        corpus={"name": corpus, "usable_sentences": len(sentences), "train_sentences": len(train_sents),
-                "test_sentences": len(test_sents)},
-        split_stats=stats,
-        fields={
-            "flac": f"FLAC, mono, {SAMPLE_RATE} Hz, 16-bit",
-            "txt": "transcript (the sentence that was spoken)",
-            "json": "{voice, rate, pitch, snr (dB or null = clean), noise, sample_rate, duration}",
-        },
-    )  # fmt: skip
+    ) as build:  # fmt: skip
+        if (manifest := build.up_to_date()) is not None:
+            return manifest
+        check_voices(f"{v}+{x}" if x else v for v in voices for x in variants)
+        build.start()
+        stats: dict[str, Any] = {}
+        for split_id, (split, sents, n, per) in enumerate(
+            [("train", train_sents, train, per_sentence), ("test", test_sents, test, 1)]
+        ):
+            if n == 0:
+                continue
+            jobs = _jobs(split, split_id, sents, n, per, voices, variants, rates, pitches, snrs, noise_kinds, seed)
+            seconds = 0.0
+            with build.split(split, total=n) as w:
+                for key, flac, meta, transcript in _render_all(jobs, workers):
+                    w.write({"__key__": key, "flac": flac, "txt": transcript, "json": meta})
+                    seconds += meta["duration"]
+            stats[split] = {
+                "sentences": min(len(sents), -(-n // per)),
+                "hours": round(seconds / 3600, 4),
+            }
+        return build.finish(
+            sample_rate=SAMPLE_RATE,
+            corpus={"name": corpus, "usable_sentences": len(sentences), "train_sentences": len(train_sents),
+                    "test_sentences": len(test_sents)},
+            split_stats=stats,
+            fields={
+                "flac": f"FLAC, mono, {SAMPLE_RATE} Hz, 16-bit",
+                "txt": "transcript (the sentence that was spoken)",
+                "json": "{voice, rate, pitch, snr (dB or null = clean), noise, sample_rate, duration}",
+            },
+        )  # fmt: skip
 
 
 # -- LibriSpeech ------------------------------------------------------------------------------------
@@ -268,44 +263,44 @@ def build_librispeech(
         raise ValueError(f"split {split!r} must match {SPLIT_RE.pattern}")
     splits = scan_librispeech(src, split)
     files = [a for items in splits.values() for _, a, _ in items] + sorted(src.rglob("*.trans.txt"))
-    build = Build(
+    with Build(
         out, "librispeech", {"split": split, "seed": seed},
         source={"files": len(files), "stat_sha256": fingerprint_files(files, src)},
         shard_size=shard_size, quiet=quiet, force=force,
-    )  # fmt: skip
-    if (manifest := build.up_to_date()) is not None:
-        return manifest
-    build.start()
-    stats = {}
-    for name, items in sorted(splits.items()):
-        name_id = int.from_bytes(hashlib.sha256(name.encode()).digest()[:4], "little")
-        order = np.random.default_rng([seed, name_id]).permutation(len(items))
-        seconds = 0.0
-        with build.split(name, total=len(items)) as w:
-            for j in order:
-                uid, audio, text = items[j]
-                try:
-                    info = sf.info(str(audio))
-                except RuntimeError as exc:
-                    raise ValueError(f"{audio}: not a readable audio file ({exc})") from None
-                parts = uid.split("-")
-                key = uid if KEY_RE.match(uid) else re.sub(r"[^A-Za-z0-9_-]", "_", uid)
-                meta = {
-                    "id": uid,
-                    "speaker": parts[0] if len(parts) == 3 else None,
-                    "chapter": parts[1] if len(parts) == 3 else None,
-                    "sample_rate": info.samplerate,
-                    "duration": round(info.frames / info.samplerate, 4),
-                }
-                w.write({"__key__": key, audio.suffix[1:]: audio.read_bytes(), "txt": text, "json": meta})
-                seconds += meta["duration"]
-        stats[name] = {"hours": round(seconds / 3600, 4)}
-    return build.finish(
-        split_stats=stats,
-        source_dir=str(src.resolve()),
-        fields={
-            "flac": "the original audio bytes (.wav where the source had WAV)",
-            "txt": "transcript as in the .trans.txt file",
-            "json": "{id, speaker, chapter, sample_rate, duration}",
-        },
-    )
+    ) as build:  # fmt: skip
+        if (manifest := build.up_to_date()) is not None:
+            return manifest
+        build.start()
+        stats = {}
+        for name, items in sorted(splits.items()):
+            name_id = int.from_bytes(hashlib.sha256(name.encode()).digest()[:4], "little")
+            order = np.random.default_rng([seed, name_id]).permutation(len(items))
+            seconds = 0.0
+            with build.split(name, total=len(items)) as w:
+                for j in order:
+                    uid, audio, text = items[j]
+                    try:
+                        info = sf.info(str(audio))
+                    except RuntimeError as exc:
+                        raise ValueError(f"{audio}: not a readable audio file ({exc})") from None
+                    parts = uid.split("-")
+                    key = uid if KEY_RE.match(uid) else re.sub(r"[^A-Za-z0-9_-]", "_", uid)
+                    meta = {
+                        "id": uid,
+                        "speaker": parts[0] if len(parts) == 3 else None,
+                        "chapter": parts[1] if len(parts) == 3 else None,
+                        "sample_rate": info.samplerate,
+                        "duration": round(info.frames / info.samplerate, 4),
+                    }
+                    w.write({"__key__": key, audio.suffix[1:]: audio.read_bytes(), "txt": text, "json": meta})
+                    seconds += meta["duration"]
+            stats[name] = {"hours": round(seconds / 3600, 4)}
+        return build.finish(
+            split_stats=stats,
+            source_dir=str(src.resolve()),
+            fields={
+                "flac": "the original audio bytes (.wav where the source had WAV)",
+                "txt": "transcript as in the .trans.txt file",
+                "json": "{id, speaker, chapter, sample_rate, duration}",
+            },
+        )

@@ -15,20 +15,18 @@ from omni.data.shards import MANIFEST_NAME, Build, fingerprint_files, read_manif
 TEXT_SUFFIXES = (".txt", ".text", ".md")
 
 
-def _is_austen_dir(p: Path) -> bool:
-    return (p / "data" / "Rdata.rdx").is_file() or any(p.glob("**/janeaustenr/data/Rdata.rdx"))
-
-
 def expand_inputs(paths: Sequence[str | os.PathLike]) -> list[Path]:
     """Files as given; folders -> their ``*.txt``/``*.text``/``*.md`` files (recursive, sorted).
     A folder holding the janeaustenr package or an omni dataset (manifest.json) stays a folder."""
+    from omni.tokenizers.text import find_austen_data  # lazily: it imports torch
+
     out: list[Path] = []
     for raw in paths:
         p = Path(raw)
         if p.is_file():
             out.append(p)
         elif p.is_dir():
-            if _is_austen_dir(p) or (p / MANIFEST_NAME).is_file():
+            if find_austen_data(p) is not None or (p / MANIFEST_NAME).is_file():
                 out.append(p)
                 continue
             found = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix.lower() in TEXT_SUFFIXES)
@@ -137,50 +135,46 @@ def build_text(
     """Text files (or the Austen novels: the default when ``src`` is empty) -> shards of
     ``<key>.txt`` chunks (``chunk_text``) and ``<key>.json`` (source document, chunk index), in
     corpus order; ``val_fraction`` of the chunks (seeded) form a ``val`` split."""
-    from omni.tokenizers.text import AUSTEN_DIR
+    from omni.tokenizers.text import austen_dir
 
     if not 0.0 <= val_fraction < 1.0:
         raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
     if not src:
-        if not Path(AUSTEN_DIR).is_dir():
-            raise FileNotFoundError(
-                f"no --src given and no default corpus: `apt-get install r-cran-janeaustenr` (Austen's novels, "
-                f"public domain, read from {AUSTEN_DIR}) or pass --src FILE|DIR ..."
-            )
-        src = [AUSTEN_DIR]
+        src = [austen_dir("; or pass --src FILE|DIR ... with your own text")]
     paths = expand_inputs(src)
     files = [f for p in paths for f in ([p] if p.is_file() else sorted(x for x in p.rglob("*") if x.is_file()))]
-    build = Build(
+    with Build(
         out, "text", {"max_chars": max_chars, "mode": mode, "val_fraction": val_fraction, "seed": seed},
         source={"inputs": [str(p.resolve()) for p in paths], "stat_sha256": fingerprint_files(files)},
         shard_size=shard_size, quiet=quiet, force=force,
-    )  # fmt: skip
-    if (manifest := build.up_to_date()) is not None:
-        return manifest
-    chunks = [(name, i, c) for name, text in iter_documents(paths) for i, c in enumerate(chunk_text(text, max_chars, mode))]
-    if not chunks:
-        raise ValueError(f"no text in {', '.join(map(str, paths))}")
-    n_val = int(round(val_fraction * len(chunks)))
-    val = np.zeros(len(chunks), dtype=bool)
-    val[np.random.default_rng([seed, 4]).permutation(len(chunks))[:n_val]] = True
-    build.start()
-    chars = {}
-    for split, mask in (("train", ~val), ("val", val)):
-        if not mask.any():
-            continue
-        n_chars = 0
-        with build.split(split, total=int(mask.sum())) as w:
-            k = 0
-            for (name, i, c), keep in zip(chunks, mask):
-                if keep:
-                    w.write({"__key__": f"{split}_{k:08d}", "txt": c, "json": {"source": name, "chunk": i}})
-                    n_chars += len(c)
-                    k += 1
-        chars[split] = n_chars
-    return build.finish(
-        split_chars=chars,
-        fields={"txt": f"UTF-8 text chunk of at most {max_chars} characters", "json": "{source, chunk}"},
-    )
+    ) as build:  # fmt: skip
+        if (manifest := build.up_to_date()) is not None:
+            return manifest
+        chunks = [(name, i, c) for name, text in iter_documents(paths)
+                  for i, c in enumerate(chunk_text(text, max_chars, mode))]
+        if not chunks:
+            raise ValueError(f"no text in {', '.join(map(str, paths))}")
+        n_val = int(round(val_fraction * len(chunks)))
+        val = np.zeros(len(chunks), dtype=bool)
+        val[np.random.default_rng([seed, 4]).permutation(len(chunks))[:n_val]] = True
+        build.start()
+        chars = {}
+        for split, mask in (("train", ~val), ("val", val)):
+            if not mask.any():
+                continue
+            n_chars = 0
+            with build.split(split, total=int(mask.sum())) as w:
+                k = 0
+                for (name, i, c), keep in zip(chunks, mask):
+                    if keep:
+                        w.write({"__key__": f"{split}_{k:08d}", "txt": c, "json": {"source": name, "chunk": i}})
+                        n_chars += len(c)
+                        k += 1
+            chars[split] = n_chars
+        return build.finish(
+            split_chars=chars,
+            fields={"txt": f"UTF-8 text chunk of at most {max_chars} characters", "json": "{source, chunk}"},
+        )
 
 
 def fit_tokenizer(

@@ -18,6 +18,7 @@ import numpy as np
 from omni.data.shards import Build, fingerprint_files
 
 FASHION_MNIST_DIR = "/usr/share/datasets/fashion-mnist"  # Debian package dataset-fashion-mnist
+FASHION_MNIST_ENV = "OMNI_FASHION_MNIST_DIR"  # points the default elsewhere
 FASHION_MNIST_CLASSES = (
     "T-shirt/top",
     "Trouser",
@@ -54,14 +55,30 @@ def _idx_complete(folder: Path) -> bool:
     return all(_idx_file(folder, s) for pair in FASHION_MNIST_FILES.values() for s in pair)
 
 
+def fashion_mnist_dir() -> Path:
+    """The folder looked in when no --source is given: ``$OMNI_FASHION_MNIST_DIR``, else where the
+    Debian package puts the files. Read on every call (not at import), so tests can point it elsewhere."""
+    return Path(os.environ.get(FASHION_MNIST_ENV) or FASHION_MNIST_DIR)
+
+
+def _where_to_get(folder: Path, offer_download: bool = True) -> str:
+    names = ", ".join(f"{s}.gz" for pair in FASHION_MNIST_FILES.values() for s in pair)
+    download = ", or download them with `omni data fashion-mnist --download`" if offer_download else ""
+    return (f"looked in {folder}: `apt-get install dataset-fashion-mnist`, set {FASHION_MNIST_ENV}=DIR or pass "
+            f"--source DIR (a folder with {names}){download}")
+
+
 def read_idx(path: str | os.PathLike) -> np.ndarray:
     """An IDX file (optionally gzipped) of unsigned bytes -> uint8 array of its shape."""
     path = Path(path)
     raw = path.read_bytes()
     if raw[:2] == b"\x1f\x8b":
-        raw = gzip.decompress(raw)
-    if len(raw) < 4 or raw[:2] != b"\0\0":
-        raise ValueError(f"{path}: not an IDX file (bad magic)")
+        try:
+            raw = gzip.decompress(raw)
+        except (EOFError, OSError, zlib.error) as exc:  # a cut or damaged download: the user's data, not a bug
+            raise ValueError(f"{path}: not a valid gzip file ({exc})") from None
+    if len(raw) < 4 or raw[:2] != b"\0\0" or len(raw) < 4 + 4 * raw[3]:
+        raise ValueError(f"{path}: not an IDX file (bad magic or header)")
     dtype, ndim = raw[2], raw[3]
     if dtype != 0x08:
         raise ValueError(f"{path}: IDX element type 0x{dtype:02x} is not unsigned byte (0x08)")
@@ -94,17 +111,15 @@ def _download_fashion_mnist(dest: Path) -> None:
                 break
             else:
                 raise FileNotFoundError(
-                    "Fashion-MNIST IDX files not found and the download failed "
-                    f"({'; '.join(errors[-2:])}). Install the Debian package (`apt-get install "
-                    f"dataset-fashion-mnist`, files in {FASHION_MNIST_DIR}) or pass --source DIR with "
-                    "train-images-idx3-ubyte.gz, train-labels-idx1-ubyte.gz, t10k-images-idx3-ubyte.gz, "
-                    "t10k-labels-idx1-ubyte.gz"
+                    f"the Fashion-MNIST download failed ({'; '.join(errors[-2:])}); "
+                    + _where_to_get(fashion_mnist_dir(), offer_download=False)
                 )
 
 
-def locate_fashion_mnist(source: str | os.PathLike | None, out: Path, download: bool = True) -> Path:
-    """The folder with the four IDX files: ``source``, else the Debian package's folder, else a
-    download into ``<out>/download``."""
+def locate_fashion_mnist(source: str | os.PathLike | None, out: Path, download: bool = False) -> Path:
+    """The folder with the four IDX files: ``source``, else ``fashion_mnist_dir()``, else an
+    earlier download in ``<out>/download``, else - only with ``download``, nothing fetches data
+    unasked - a download into ``<out>/download``."""
     if source is not None:
         folder = Path(source)
         if not _idx_complete(folder):
@@ -113,14 +128,12 @@ def locate_fashion_mnist(source: str | os.PathLike | None, out: Path, download: 
                 "train-labels-idx1-ubyte[.gz], t10k-images-idx3-ubyte[.gz], t10k-labels-idx1-ubyte[.gz])"
             )
         return folder
-    for folder in (Path(FASHION_MNIST_DIR), out / "download"):
+    default = fashion_mnist_dir()
+    for folder in (default, out / "download"):
         if _idx_complete(folder):
             return folder
     if not download:
-        raise FileNotFoundError(
-            f"Fashion-MNIST not found: `apt-get install dataset-fashion-mnist` (puts it in {FASHION_MNIST_DIR}) "
-            "or pass --source DIR"
-        )
+        raise FileNotFoundError(f"Fashion-MNIST IDX files not found: {_where_to_get(default)}")
     _download_fashion_mnist(out / "download")
     return out / "download"
 
@@ -139,18 +152,19 @@ def build_fashion_mnist(
     source: str | os.PathLike | None = None,
     format: str = "png",
     shard_size: int = 5000,
-    download: bool = True,
+    download: bool = False,
     quiet: bool = False,
     force: bool = False,
 ) -> dict[str, Any]:
     """Fashion-MNIST -> ``train``/``test`` shards of ``<key>.png`` (28x28 grayscale) or
-    ``<key>.u8`` (784 raw bytes, row-major) plus ``<key>.cls`` (label 0-9)."""
+    ``<key>.u8`` (784 raw bytes, row-major) plus ``<key>.cls`` (label 0-9). The IDX files come
+    from ``locate_fashion_mnist`` (downloaded only with ``download=True``)."""
     if format not in ("png", "raw"):
         raise ValueError(f"format must be 'png' or 'raw', got {format!r}")
     out = Path(out)
     folder = locate_fashion_mnist(source, out, download)
     files = [_idx_file(folder, s) for pair in FASHION_MNIST_FILES.values() for s in pair]
-    build = Build(
+    with Build(
         out,
         "fashion-mnist",
         {"format": format},
@@ -158,36 +172,37 @@ def build_fashion_mnist(
         shard_size=shard_size,
         quiet=quiet,
         force=force,
-    )
-    if (manifest := build.up_to_date()) is not None:
-        return manifest
-    data = {}
-    for split, (img_stem, lbl_stem) in FASHION_MNIST_FILES.items():
-        images, labels = read_idx(_idx_file(folder, img_stem)), read_idx(_idx_file(folder, lbl_stem))
-        if images.ndim != 3 or labels.ndim != 1 or len(images) != len(labels):
-            raise ValueError(
-                f"{folder}: {split} images {images.shape} and labels {labels.shape} do not match "
-                "(expected (N, H, W) and (N,))"
-            )
-        if labels.size and labels.max() >= len(FASHION_MNIST_CLASSES):
-            raise ValueError(f"{folder}: {split} label {labels.max()} outside 0..9")
-        data[split] = (images, labels)
-    build.start()
-    ext = "png" if format == "png" else "u8"
-    for split, (images, labels) in data.items():
-        with build.split(split, total=len(images)) as w:
-            for i, (img, label) in enumerate(zip(images, labels)):
-                w.write({"__key__": f"{split}_{i:06d}", ext: _png(img) if ext == "png" else img.tobytes(), "cls": int(label)})
-    shape = list(data["train"][0].shape[1:])
-    return build.finish(
-        classes=list(FASHION_MNIST_CLASSES),
-        image_shape=shape,
-        source_dir=str(folder.resolve()),
-        fields={
-            ext: f"{'PNG, 8-bit grayscale' if ext == 'png' else 'raw uint8, row-major'} {shape[0]}x{shape[1]}",
-            "cls": "class index (decimal text)",
-        },
-    )
+    ) as build:
+        if (manifest := build.up_to_date()) is not None:
+            return manifest
+        data = {}
+        for split, (img_stem, lbl_stem) in FASHION_MNIST_FILES.items():
+            images, labels = read_idx(_idx_file(folder, img_stem)), read_idx(_idx_file(folder, lbl_stem))
+            if images.ndim != 3 or labels.ndim != 1 or len(images) != len(labels):
+                raise ValueError(
+                    f"{folder}: {split} images {images.shape} and labels {labels.shape} do not match "
+                    "(expected (N, H, W) and (N,))"
+                )
+            if labels.size and labels.max() >= len(FASHION_MNIST_CLASSES):
+                raise ValueError(f"{folder}: {split} label {labels.max()} outside 0..9")
+            data[split] = (images, labels)
+        build.start()
+        ext = "png" if format == "png" else "u8"
+        for split, (images, labels) in data.items():
+            with build.split(split, total=len(images)) as w:
+                for i, (img, label) in enumerate(zip(images, labels)):
+                    w.write({"__key__": f"{split}_{i:06d}", ext: _png(img) if ext == "png" else img.tobytes(),
+                             "cls": int(label)})
+        shape = list(data["train"][0].shape[1:])
+        return build.finish(
+            classes=list(FASHION_MNIST_CLASSES),
+            image_shape=shape,
+            source_dir=str(folder.resolve()),
+            fields={
+                ext: f"{'PNG, 8-bit grayscale' if ext == 'png' else 'raw uint8, row-major'} {shape[0]}x{shape[1]}",
+                "cls": "class index (decimal text)",
+            },
+        )
 
 
 # -- ImageFolder ------------------------------------------------------------------------------------
@@ -269,7 +284,7 @@ def build_images(
     src = Path(src)
     classes, splits = scan_image_folder(src, val_fraction, seed)
     all_files = [f for pairs in splits.values() for f, _ in pairs]
-    build = Build(
+    with Build(
         out,
         "images",
         {"val_fraction": val_fraction, "seed": seed, "skip_bad": skip_bad},
@@ -277,37 +292,38 @@ def build_images(
         shard_size=shard_size,
         quiet=quiet,
         force=force,
-    )
-    if (manifest := build.up_to_date()) is not None:
-        return manifest
-    build.start()
-    skipped: list[str] = []
-    class_counts: dict[str, list[int]] = {}
-    for split, pairs in splits.items():
-        counts = [0] * len(classes)
-        with build.split(split, total=len(pairs)) as w:
-            for i, (file, idx) in enumerate(pairs):
-                data = file.read_bytes()
-                ext = _sniff(data[:8])
-                if ext is None:
-                    msg = f"{file}: not a JPEG or PNG file (by its first bytes)"
-                    if not skip_bad:
-                        raise ValueError(msg + "; pass --skip-bad to skip such files")
-                    warnings.warn(msg + "; skipped", stacklevel=2)
-                    skipped.append(str(file.relative_to(src)))
-                    continue
-                rel = file.relative_to(src).as_posix()
-                w.write({"__key__": f"{split}_{i:08d}", ext: data, "cls": idx, "json": {"path": rel, "class": classes[idx]}})
-                counts[idx] += 1
-        class_counts[split] = counts
-    return build.finish(
-        classes=classes,
-        class_counts=class_counts,
-        skipped=skipped,
-        source_dir=str(src.resolve()),
-        fields={
-            "jpg|png": "the original encoded image bytes",
-            "cls": "class index (decimal text) into 'classes'",
-            "json": "{path: file relative to the source folder, class: class name}",
-        },
-    )
+    ) as build:
+        if (manifest := build.up_to_date()) is not None:
+            return manifest
+        build.start()
+        skipped: list[str] = []
+        class_counts: dict[str, list[int]] = {}
+        for split, pairs in splits.items():
+            counts = [0] * len(classes)
+            with build.split(split, total=len(pairs)) as w:
+                for i, (file, idx) in enumerate(pairs):
+                    data = file.read_bytes()
+                    ext = _sniff(data[:8])
+                    if ext is None:
+                        msg = f"{file}: not a JPEG or PNG file (by its first bytes)"
+                        if not skip_bad:
+                            raise ValueError(msg + "; pass --skip-bad to skip such files")
+                        warnings.warn(msg + "; skipped", stacklevel=2)
+                        skipped.append(str(file.relative_to(src)))
+                        continue
+                    rel = file.relative_to(src).as_posix()
+                    w.write({"__key__": f"{split}_{i:08d}", ext: data, "cls": idx,
+                             "json": {"path": rel, "class": classes[idx]}})
+                    counts[idx] += 1
+            class_counts[split] = counts
+        return build.finish(
+            classes=classes,
+            class_counts=class_counts,
+            skipped=skipped,
+            source_dir=str(src.resolve()),
+            fields={
+                "jpg|png": "the original encoded image bytes",
+                "cls": "class index (decimal text) into 'classes'",
+                "json": "{path: file relative to the source folder, class: class name}",
+            },
+        )

@@ -1,17 +1,20 @@
 """Command line of the dataset builders: ``omni data BUILDER ...`` and ``omni tokenizer fit ...``.
 
 ``add_data_commands(subparsers)`` / ``add_tokenizer_commands(subparsers)`` attach the commands to
-an argparse sub-parser group (the ``omni`` console script, omni/cli.py, does that). Each command sets ``func(args) -> int`` (exit status); builder errors
-(bad input, missing data) print one ``error:`` line and return 2 instead of a traceback.
+an argparse sub-parser group (the ``omni`` console script, omni/cli.py, does that). Each command sets
+``func(args) -> int`` (exit status). User errors - bad arguments, bad input, missing data, a dataset folder
+another build holds, a full disk - print one ``omni data X: error: ...`` line and exit 2, no traceback.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import sys
 from typing import Any, Callable
 
 from omni.data.shards import DatasetError
+from omni.lock import LockedError
 
 
 # -- argument types ---------------------------------------------------------------------------------
@@ -81,12 +84,21 @@ def _runner(command: str, build: Callable[[argparse.Namespace], Any]) -> Callabl
     def run(args: argparse.Namespace) -> int:
         try:
             build(args)
-        except (ValueError, OSError, ImportError, DatasetError) as exc:
-            print(f"omni {command}: error: {exc}", file=sys.stderr)
+        except (ValueError, OSError, EOFError, ImportError, DatasetError, LockedError) as exc:
+            print(f"omni {command}: error: {_one_line(exc, getattr(args, 'out', None))}", file=sys.stderr)
             return 2
         return 0
 
     return run
+
+
+def _one_line(exc: BaseException, out: str | None) -> str:
+    """The error for a user: the disk-full case says so and where; every message on one line."""
+    if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+        where = exc.filename or out or "the output folder"
+        return (f"the disk is full: no space left writing {where}; free space there or build elsewhere "
+                "(a build needs room for the old and the new dataset until it completes)")
+    return " ".join(str(exc).split()) or type(exc).__name__
 
 
 def _common_kwargs(a: argparse.Namespace) -> dict[str, Any]:
@@ -187,13 +199,17 @@ def add_data_commands(subparsers: Any) -> argparse.ArgumentParser:
         description="Build a dataset as webdataset tar shards <out>/<split>-NNNNNN.tar plus <out>/manifest.json. "
         "Re-running with the same arguments does nothing when the build is complete and unchanged.",
     )
+    # The builders' parsers are of the `omni` parser's class (omni/cli.py): argument errors are one line too.
     sub = data.add_subparsers(dest="builder", required=True, metavar="BUILDER")
 
-    p = sub.add_parser("fashion-mnist", help="Fashion-MNIST (Debian dataset-fashion-mnist, --source, or download)")
+    p = sub.add_parser("fashion-mnist", help="Fashion-MNIST (Debian dataset-fashion-mnist, --source, or --download)")
     _common(p, 5000)
-    p.add_argument("--source", help="folder with the IDX files (default: /usr/share/datasets/fashion-mnist)")
+    p.add_argument("--source", help="folder with the IDX files (default: $OMNI_FASHION_MNIST_DIR, else "
+                   "/usr/share/datasets/fashion-mnist)")  # fmt: skip
     p.add_argument("--format", choices=("png", "raw"), default="png", help="png (default) or raw 784-byte .u8")
-    p.add_argument("--no-download", dest="download", action="store_false", help="fail instead of downloading")
+    p.add_argument("--download", action=argparse.BooleanOptionalAction, default=False,
+                   help="fetch the IDX files from the internet into OUT/download when they are not found "
+                   "(default: never download; fail saying where to get them)")  # fmt: skip
     p.set_defaults(func=_runner("data fashion-mnist", _fashion_mnist))
 
     p = sub.add_parser("images", help="ImageFolder tree (class subfolders of JPEG/PNG) -> original bytes + label")
@@ -210,7 +226,8 @@ def add_data_commands(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--test", type=_count, default=1000, help="test utterances (default 1000)")
     p.add_argument("--test-sentences", type=_positive_int, help="sentences held out for test (default: --test)")
     p.add_argument("--per-sentence", type=_positive_int, default=1, help="train renders per sentence, each with another voice")
-    p.add_argument("--text", nargs="+", help="text files (default: Austen's novels from r-cran-janeaustenr)")
+    p.add_argument("--text", nargs="+", help="text files (default: Austen's novels from r-cran-janeaustenr, "
+                   "or $OMNI_AUSTEN_DIR)")  # fmt: skip
     p.add_argument("--voices", type=_csv, default=list(DEFAULT_VOICES), help=f"eSpeak NG voices (default {','.join(DEFAULT_VOICES)})")
     p.add_argument("--variants", type=_csv, default=list(DEFAULT_VARIANTS),
                    help="voice variants; 'none' = the plain voice (default none,m1,...,f5)")  # fmt: skip
@@ -273,7 +290,8 @@ def add_data_commands(subparsers: Any) -> argparse.ArgumentParser:
 
     p = sub.add_parser("text", help="text files -> shards of .txt chunks")
     _common(p, 5000)
-    p.add_argument("--src", nargs="+", help="files or folders (default: Austen's novels from r-cran-janeaustenr)")
+    p.add_argument("--src", nargs="+", help="files or folders (default: Austen's novels from r-cran-janeaustenr, "
+                   "or $OMNI_AUSTEN_DIR)")  # fmt: skip
     p.add_argument("--max-chars", type=_positive_int, default=2000, help="most characters per chunk (default 2000)")
     p.add_argument("--mode", choices=("paragraph", "line"), default="paragraph", help="units packed into chunks")
     p.add_argument("--val-fraction", type=_fraction, default=0.0)
@@ -289,9 +307,9 @@ def add_data_commands(subparsers: Any) -> argparse.ArgumentParser:
 
 def _fit(a: argparse.Namespace) -> Any:
     from omni.data.builders_text import fit_tokenizer
-    from omni.tokenizers.text import AUSTEN_DIR
+    from omni.tokenizers.text import austen_dir
 
-    inputs = a.input or [AUSTEN_DIR]
+    inputs = a.input or [austen_dir("; or pass --input FILE|DIR ...")]
     path = fit_tokenizer(inputs, a.out, vocab_size=a.vocab_size, min_frequency=a.min_frequency)
     print(f"wrote {path}")
     return path
@@ -303,7 +321,7 @@ def add_tokenizer_commands(subparsers: Any) -> argparse.ArgumentParser:
     sub = tok.add_subparsers(dest="tokenizer_command", required=True, metavar="COMMAND")
     p = sub.add_parser("fit", help="fit the text BPE on files and save it (config.json + tokenizer.json)")
     p.add_argument("--input", nargs="+", help="text files/folders, the janeaustenr folder, or omni text datasets "
-                   "(default: Austen's novels from r-cran-janeaustenr)")  # fmt: skip
+                   "(default: Austen's novels from r-cran-janeaustenr, or $OMNI_AUSTEN_DIR)")  # fmt: skip
     p.add_argument("--vocab-size", type=_positive_int, default=8192, help="ids incl. special tokens (default 8192)")
     p.add_argument("--min-frequency", type=_positive_int, default=2)
     p.add_argument("--out", required=True, help="folder to save into, e.g. tokenizers/NAME")

@@ -6,12 +6,14 @@ Layout of a dataset folder::
                                     (``<key>.png``, ``<key>.cls``, ``<key>.json`` ...)
     <out>/manifest.json            written last; the only list of shards readers trust
 
-Writing is atomic and idempotent (``Build``): every shard is written under ``<name>.tmp`` in the
-same folder and ``os.replace``'d when complete, the manifest last. A build whose manifest exists
-with the same builder, arguments and source fingerprint, and whose listed shards all exist with
-matching sizes and sha256, is "up to date" and touches nothing. Anything else (no manifest,
-leftover ``.tmp`` files, a shard that changed) makes the next build remove the old shards and
-write them again.
+Writing is atomic and idempotent (``Build``): a build holds ``<out>/.omni.lock`` (omni.lock.DirectoryLock,
+so a second build into the same folder is refused, naming the first) and writes every shard under
+``<out>/.omni-build/`` (``<name>.tmp`` until complete), the manifest last. Only a complete build
+replaces the old dataset: its shards are renamed into ``<out>`` and its manifest goes in last, so an
+interrupted or failed build - ``--force`` included - leaves the old dataset as it was. A build whose
+manifest exists with the same builder, arguments and source fingerprint, and whose listed shards all
+exist with matching sizes and sha256, is "up to date" and touches nothing. Anything else (no manifest,
+a shard that changed) makes the next build write the dataset again.
 
 Tar members get fixed metadata (mtime 0, uid/gid 0, mode 0444), so the same samples give
 byte-identical shards and checksums on every run.
@@ -24,6 +26,7 @@ import io
 import json
 import os
 import re
+import shutil
 import sys
 import tarfile
 import time
@@ -32,9 +35,14 @@ from typing import Any, Callable, Iterable, Mapping
 
 import numpy as np
 
+from omni.lock import DirectoryLock
+
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
 TMP_SUFFIX = ".tmp"
+# Where a build writes until it is complete: inside the dataset folder, so the same file system and
+# the final renames are atomic.
+STAGING_NAME = ".omni-build"
 # A split name: letters, digits, '_' and '-' (it becomes the shard file prefix).
 SPLIT_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_-]*$")
 SHARD_RE = re.compile(r"^(?P<split>[A-Za-z0-9_][A-Za-z0-9_-]*)-(?P<index>\d{6})\.tar$")
@@ -312,17 +320,21 @@ def fingerprint_files(paths: Iterable[str | os.PathLike], root: str | os.PathLik
 
 
 class Build:
-    """One dataset build into ``out``: up-to-date check, cleanup, split writers, manifest.
+    """One dataset build into ``out``: lock, up-to-date check, split writers, manifest, swap.
 
     Typical use::
 
-        build = Build(out, "images", {"val_fraction": 0.1, ...}, source=fingerprint)
-        if (manifest := build.up_to_date()) is not None:
-            return manifest            # prints "up to date" unless quiet
-        build.start()                  # removes the old manifest, shards and temp files
-        with build.split("train", total=n) as w:
-            for sample in samples: w.write(sample)
-        return build.finish(classes=[...])
+        with Build(out, "images", {"val_fraction": 0.1, ...}, source=fingerprint) as build:
+            if (manifest := build.up_to_date()) is not None:
+                return manifest        # prints "up to date" unless quiet
+            build.start()              # new shards go to <out>/.omni-build; the old dataset stays
+            with build.split("train", total=n) as w:
+                for sample in samples: w.write(sample)
+            return build.finish(classes=[...])  # the new dataset replaces the old one
+
+    The ``with`` block holds the folder's lock (``up_to_date`` and ``start`` take it too when used
+    without one; LockedError names the running build) and, left through an exception, drops the
+    unfinished build. A complete build needs room for the old and the new dataset at once.
 
     ``args`` are the builder's output-determining arguments (not e.g. worker counts) and
     ``source`` fingerprints the input data; both must match for a build to be up to date.
@@ -350,6 +362,16 @@ class Build:
         self.force = force
         self._splits: dict[str, dict[str, Any]] = {}
         self._started = 0.0
+        self._lock = DirectoryLock(self.out, "dataset directory")
+
+    def __enter__(self) -> "Build":
+        self._lock.acquire()
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is not None:
+            self.abort()
+        self._lock.release()
 
     def log(self, msg: str) -> None:
         if not self.quiet:
@@ -359,10 +381,15 @@ class Build:
     def manifest_path(self) -> Path:
         return self.out / MANIFEST_NAME
 
+    @property
+    def staging(self) -> Path:
+        return self.out / STAGING_NAME
+
     def up_to_date(self, extra_check: Callable[[dict[str, Any]], bool] | None = None) -> dict[str, Any] | None:
         """The existing manifest if it was written by this builder with these args and source
         and every listed shard matches its size and sha256 (and ``extra_check(manifest)``
         holds); else None. Prints "<out>: up to date" when it returns a manifest."""
+        self._lock.acquire()
         if self.force:
             return None
         try:
@@ -375,32 +402,22 @@ class Build:
             or manifest.get("source") != self.source
         ):
             return None
-        if any(p.name.endswith(TMP_SUFFIX) and _is_build_file(p.name, set()) for p in self.out.iterdir()):
-            return None  # an interrupted later build: clean it up by rebuilding
         try:
             verify_dataset(self.out, check_sha256=True)
         except DatasetError:
             return None
         if extra_check is not None and not extra_check(manifest):
             return None
+        shutil.rmtree(self.staging, ignore_errors=True)  # what an interrupted later build left
         self.log(f"{self.out}: up to date ({self.builder}, {_summary(manifest)})")
         return manifest
 
     def start(self) -> None:
-        """Create ``out`` and remove what an earlier (complete or interrupted) build left: the
-        manifest first (so readers stop trusting the old shards), then shards and temp files.
-        Other files in ``out`` are left alone."""
-        self.out.mkdir(parents=True, exist_ok=True)
-        old: set[str] = set()
-        try:
-            for split in read_manifest(self.out)["splits"].values():
-                old.update(s["name"] for s in split.get("shards", []))
-        except DatasetError:
-            pass
-        self.manifest_path.unlink(missing_ok=True)
-        for p in self.out.iterdir():
-            if p.is_file() and _is_build_file(p.name, old):
-                p.unlink()
+        """Lock ``out`` (creating it), drop what an interrupted build left in the staging folder and
+        start a new one there. The old dataset stays untouched until ``finish``."""
+        self._lock.acquire()
+        shutil.rmtree(self.staging, ignore_errors=True)
+        self.staging.mkdir()
         self._started = time.time()
 
     def split(self, name: str, total: int | None = None) -> ShardWriter:
@@ -416,11 +433,12 @@ class Build:
             record.update(count=writer.count, bytes=sum(s["bytes"] for s in writer.shards), shards=list(writer.shards))
 
         progress = make_progress(total, f"{self.builder} {name}", self.quiet)
-        return ShardWriter(self.out, name, self.shard_size, progress, on_close=done)
+        return ShardWriter(self.staging, name, self.shard_size, progress, on_close=done)
 
     def finish(self, **extra: Any) -> dict[str, Any]:
-        """Write the manifest atomically (last, after every shard) and return it. ``extra``
-        adds builder-specific top-level keys (classes, fields, reference scores ...)."""
+        """Write the manifest (after every shard), swap the new dataset in and release the lock;
+        returns the manifest. ``extra`` adds builder-specific top-level keys (classes, fields,
+        reference scores ...)."""
         unfinished = [name for name, rec in self._splits.items() if "shards" not in rec]
         if unfinished:
             raise RuntimeError(f"split writer(s) not closed before finish: {', '.join(unfinished)}")
@@ -437,9 +455,36 @@ class Build:
             "splits": self._splits,
             **_jsonable(extra),
         }
-        write_json_atomic(self.manifest_path, manifest)
+        write_json_atomic(self.staging / MANIFEST_NAME, manifest)
+        self._swap({s["name"] for split in self._splits.values() for s in split["shards"]})
+        self._lock.release()
         self.log(f"{self.out}: wrote {_summary(manifest)}")
         return manifest
+
+    def _swap(self, new: set[str]) -> None:
+        """Renames only, the manifest last: readers see the old dataset, then for a moment none (no
+        manifest), then the new one; never a manifest naming shards that do not belong to it."""
+        old: set[str] = set()
+        try:
+            for split in read_manifest(self.out)["splits"].values():
+                old.update(s["name"] for s in split.get("shards", []))
+        except DatasetError:
+            pass
+        self.manifest_path.unlink(missing_ok=True)
+        for name in sorted(new):
+            os.replace(self.staging / name, self.out / name)
+        for p in self.out.iterdir():  # old shards the new dataset does not overwrite, legacy temp files
+            if p.is_file() and p.name not in new and _is_build_file(p.name, old):
+                p.unlink()
+        os.replace(self.staging / MANIFEST_NAME, self.manifest_path)
+        _fsync_dir(self.out)
+        shutil.rmtree(self.staging, ignore_errors=True)
+
+    def abort(self) -> None:
+        """Drop the unfinished build (the staging folder) and release the lock; the old dataset stays."""
+        if self._lock.held:
+            shutil.rmtree(self.staging, ignore_errors=True)
+        self._lock.release()
 
 
 def _is_build_file(name: str, listed: set[str]) -> bool:
@@ -453,6 +498,20 @@ def _summary(manifest: Mapping[str, Any]) -> str:
         f"{name}: {s['count']} samples in {len(s['shards'])} shard(s)" for name, s in manifest["splits"].items()
     ]
     return "; ".join(parts) or "no splits"
+
+
+def _fsync_dir(path: Path) -> None:
+    """Make the renames in ``path`` durable (where the platform can open a directory)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def write_json_atomic(path: Path, obj: Any) -> None:

@@ -53,8 +53,33 @@ TOKENIZER_FILE = "tokenizer.json"
 IGNORE_INDEX = -100  # targets value that the LM loss ignores (torch cross_entropy default)
 TRUNCATION_POLICIES = ("error", "truncate")
 # Where ``apt-get install r-cran-janeaustenr`` puts the package (``dpkg-deb -x`` of the .deb
-# into a folder puts it under that folder's usr/lib/R/site-library/janeaustenr).
+# into a folder puts it under that folder's usr/lib/R/site-library/janeaustenr); $OMNI_AUSTEN_DIR
+# points elsewhere.
 AUSTEN_DIR = "/usr/lib/R/site-library/janeaustenr"
+AUSTEN_ENV = "OMNI_AUSTEN_DIR"
+
+
+def austen_dir(alternative: str = "") -> Path:
+    """The janeaustenr package folder: ``$OMNI_AUSTEN_DIR``, else AUSTEN_DIR. Read on every call
+    (not at import) so a test or a user can point it elsewhere. FileNotFoundError naming the
+    folder, the variable and the Debian package when the package's data is not there;
+    ``alternative`` is appended to that message (e.g. "; or pass --src FILE ...")."""
+    path = Path(os.environ.get(AUSTEN_ENV) or AUSTEN_DIR)
+    if not path.is_dir() or find_austen_data(path) is None:
+        raise FileNotFoundError(
+            f"the default text corpus (Jane Austen's novels) is not in {path}: `apt-get install r-cran-janeaustenr`, "
+            f"or set {AUSTEN_ENV} to the folder of the janeaustenr R package{alternative}"
+        )
+    return path
+
+
+def find_austen_data(root: str | os.PathLike) -> Path | None:
+    """The janeaustenr package's data/Rdata.rdx under ``root`` (the package folder or any folder
+    above it, searched by package name so other R packages' data are never picked), else None."""
+    root = Path(root)
+    if root.name == "janeaustenr" and (root / "data" / "Rdata.rdx").is_file():
+        return root / "data" / "Rdata.rdx"
+    return next(iter(sorted(root.glob("**/janeaustenr/data/Rdata.rdx"))), None)
 
 
 def default_asset_path() -> Path:
@@ -362,7 +387,7 @@ class TextEmbedder(nn.Module):
 
 
 # -- the default corpus and asset -------------------------------------------------------------------
-def austen_novels(root: str | os.PathLike = AUSTEN_DIR) -> dict[str, list[str]]:
+def austen_novels(root: str | os.PathLike | None = None) -> dict[str, list[str]]:
     """Jane Austen's six novels (public domain) as lists of paragraphs, keyed by R name
     (``emma``, ``prideprejudice`` ...).
 
@@ -370,21 +395,20 @@ def austen_novels(root: str | os.PathLike = AUSTEN_DIR) -> dict[str, list[str]]:
     ``r-cran-janeaustenr``) directly, so R itself is not needed: ``root`` is the package
     folder or any folder above it (e.g. where ``dpkg-deb -x`` unpacked the .deb).
     Paragraphs are the blank-line separated blocks with their hard line breaks joined by
-    one space; chapter headings are paragraphs too.
+    one space; chapter headings are paragraphs too. ``root`` None is ``austen_dir()``.
     """
-    root = Path(root)
-    found = [root / "data" / "Rdata.rdx"] if root.name == "janeaustenr" else []
-    # otherwise search below root, by package name so other R packages' data are never picked
-    found = [p for p in found if p.is_file()] or sorted(root.glob("**/janeaustenr/data/Rdata.rdx"))
-    if not found:
+    root = austen_dir() if root is None else Path(root)
+    rdx = find_austen_data(root)
+    if rdx is None:
         raise FileNotFoundError(
-            f"no janeaustenr data (data/Rdata.rdx) under {root}: `apt-get download r-cran-janeaustenr && "
-            "dpkg-deb -x r-cran-janeaustenr_*.deb DIR` and pass DIR"
+            f"no janeaustenr data (data/Rdata.rdx) under {root}: `apt-get install r-cran-janeaustenr` (or "
+            "`apt-get download r-cran-janeaustenr && dpkg-deb -x r-cran-janeaustenr_*.deb DIR`) and pass that "
+            f"folder or set {AUSTEN_ENV} to it"
         )
-    index = _r_unserialize(gzip.decompress(found[0].read_bytes()))
+    index = _r_unserialize(gzip.decompress(rdx.read_bytes()))
     variables = index["variables"]
     novels: dict[str, list[str]] = {}
-    with open(found[0].with_suffix(".rdb"), "rb") as db:
+    with open(rdx.with_suffix(".rdb"), "rb") as db:
         for name, (offset, length) in variables.items():
             db.seek(offset)
             lines = _r_unserialize(_r_chunk(db.read(length)))
