@@ -4,6 +4,7 @@ ShardLoader), a SIGKILL during a checkpoint write, NaN handling, schedule, loggi
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import os
@@ -22,8 +23,9 @@ import _train_worker as W
 from _launch import gloo_env, run_group
 from omni.packing import Packer
 from omni.export import build_omni_model, load_config, load_pretrained, load_tokenizers, save_pretrained
-from omni.train import (NonFiniteLossError, TrainConfig, Trainer, default_param_groups, flatten_config,
-                        latest_checkpoint, list_checkpoints, lr_multiplier)
+from omni.train import (NonFiniteLossError, ResumeMismatchError, RunExistsError, TrainConfig, Trainer,
+                        config_differences, default_param_groups, flatten_config, latest_checkpoint, list_checkpoints,
+                        lr_multiplier)
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -520,3 +522,153 @@ def test_compile_accepts_an_inductor_mode(tmp_path, monkeypatch):
     W.run_mlp(tmp_path / "a", steps=1, compile=True, fit=False)
     W.run_mlp(tmp_path / "b", steps=1, compile="max-autotune-no-cudagraphs", fit=False)
     assert calls == [{}, {"mode": "max-autotune-no-cudagraphs"}]
+
+
+# ----------------------------------------------------------------------------------------------------
+# Config validation, resume modes, finished runs, logs without a terminal
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("steps", 0, "TrainConfig.steps must be >= 1, got 0"),
+    ("steps", -5, "TrainConfig.steps must be >= 1, got -5"),
+    ("steps", 2.5, "TrainConfig.steps must be an integer, got 2.5"),
+    ("lr", 0.0, "TrainConfig.lr must be > 0, got 0.0"),
+    ("lr", float("nan"), "TrainConfig.lr must be a finite number, got nan"),
+    ("lr", float("inf"), "TrainConfig.lr must be a finite number, got inf"),
+    ("grad_accum", 0, "TrainConfig.grad_accum must be >= 1, got 0"),
+    ("warmup_steps", -1, "TrainConfig.warmup_steps must be >= 0, got -1"),
+    ("min_lr_ratio", 1.5, "TrainConfig.min_lr_ratio must be <= 1, got 1.5"),
+    ("weight_decay", -0.1, "TrainConfig.weight_decay must be >= 0, got -0.1"),
+    ("beta1", 1.0, "TrainConfig.beta1 must be < 1, got 1.0"),
+    ("beta2", -0.5, "TrainConfig.beta2 must be >= 0, got -0.5"),
+    ("eps", 0.0, "TrainConfig.eps must be > 0, got 0.0"),
+    ("clip_norm", float("nan"), "TrainConfig.clip_norm must be a finite number, got nan"),
+    ("eval_every", -1, "TrainConfig.eval_every must be >= 0, got -1"),
+    ("checkpoint_every", -2, "TrainConfig.checkpoint_every must be >= 0, got -2"),
+    ("log_every", -1, "TrainConfig.log_every must be >= 0, got -1"),
+    ("seed", -1, "TrainConfig.seed must be >= 0, got -1"),
+    ("keep_checkpoints", "2", "TrainConfig.keep_checkpoints must be an integer, got '2'"),
+    ("resume", "sometimes", "resume must be one of 'auto', 'force', 'never', got 'sometimes'"),
+    ("resume", True, "resume must be one of 'auto', 'force', 'never', got True"),
+])
+def test_train_config_rejects_bad_values_naming_the_field(field, value, message):
+    with pytest.raises(ValueError) as err:
+        TrainConfig(**{field: value})
+    assert str(err.value) == message
+
+
+def test_train_config_takes_integral_floats_and_numpy_numbers():
+    import numpy as np
+
+    cfg = TrainConfig(steps=1e4, lr=np.float32(3e-4), grad_accum=np.int64(2), clip_norm=0.0)
+    assert (cfg.steps, type(cfg.steps), cfg.grad_accum, type(cfg.grad_accum)) == (10_000, int, 2, int)
+    assert isinstance(cfg.lr, float) and cfg.clip_norm == 0.0  # 0 still disables clipping
+    json.dumps(cfg.to_dict())  # plain python numbers: checkpoints and trackers take them
+
+
+def test_config_differences_flattened_keys_and_ignored_settings():
+    old = {"train.lr": 1e-3, "train.output_dir": "a", "train.eval_every": 5, "hparams.out": "a",
+           "hparams.model.dropout": 0.1, "hparams.nan": float("nan"), "export.trunk.d_model": 16,
+           "export.compile": True, "hparams.gone": 1}
+    new = {**old, "train.lr": 2e-3, "train.output_dir": "b", "train.eval_every": 7, "hparams.out": "b",
+           "hparams.model.dropout": 0.2, "hparams.nan": float("nan"), "export.trunk.d_model": 32,
+           "export.compile": False, "hparams.new": "x"}
+    del new["hparams.gone"]
+    assert config_differences(old, new) == [
+        "export.compile: True -> False",  # the export config is the model: nothing in it is ignored
+        "export.trunk.d_model: 16 -> 32", "hparams.gone: 1 -> (absent)", "hparams.model.dropout: 0.1 -> 0.2",
+        "hparams.new: (absent) -> 'x'", "train.lr: 0.001 -> 0.002"]
+
+
+def test_resume_refuses_another_config_and_force_resumes_it(tmp_path, capsys):
+    W.run_mlp(tmp_path, steps=4, checkpoint_every=2, report_to="none")
+    with pytest.raises(ResumeMismatchError) as err:  # another dropout (model + export config), seed and length
+        W.run_mlp(tmp_path, steps=6, checkpoint_every=2, report_to="none", dropout=0.3, seed=1, eval_every=3)
+    msg = str(err.value)
+    for line in ("export.dropout: 0.0 -> 0.3", "hparams.model.dropout: 0.0 -> 0.3", "train.seed: 0 -> 1",
+                 "train.steps: 4 -> 6", "resume='force' (recipes: --set resume=force)", "another output directory",
+                 f"checkpoint {tmp_path / 'checkpoints' / 'step-000004'}"):
+        assert line in msg, msg
+    assert "eval_every" not in msg and "output_dir" not in msg  # settings a resumed run may change
+    assert json.loads((tmp_path / "checkpoints" / "step-000004" / "trainer_state.json").read_text())[
+        "run_config"]["hparams.model.widths"] == "[8, 32, 4]"
+    capsys.readouterr()
+    trainer, results = W.run_mlp(tmp_path, steps=6, checkpoint_every=2, report_to="none", dropout=0.3, seed=1,
+                                 resume="force")
+    out = capsys.readouterr().out
+    assert "resume='force': resuming" in out and "train.steps: 4 -> 6" in out and "resumed from" in out
+    assert results["step"] == 6 and [s for s, _ in list_checkpoints(tmp_path)] == [4, 6]
+
+
+def test_resume_force_still_refuses_another_architecture_naming_the_tensors(tmp_path):
+    W.run_mlp(tmp_path, steps=2, checkpoint_every=2, report_to="none")
+    wider = W.make_mlp(0)
+    wider.net[0], wider.net[1], wider.net[4] = nn.Linear(8, 64), nn.LayerNorm(64), nn.Linear(64, 4)
+    x, y = W.mlp_data(48)
+    cfg = TrainConfig(output_dir=str(tmp_path), steps=2, lr=1e-2, warmup_steps=2, log_every=1, progress=False,
+                      mixed_precision="no", report_to="none", resume="force", grad_accum=2, checkpoint_every=2)
+    trainer = Trainer(wider, W.mlp_loss, W.ListLoader(x, y, 8), cfg)
+    with pytest.raises(ResumeMismatchError) as err:
+        trainer.fit()
+    msg = str(err.value)
+    assert f"the checkpoint {tmp_path / 'checkpoints' / 'step-000002'} does not fit this model" in msg
+    assert "net.0.weight: checkpoint (32, 8), model (64, 8)" in msg and "net.4.bias" not in msg
+    assert "net.1.weight: checkpoint (32,), model (64,)" in msg
+
+
+def test_resume_never_refuses_a_directory_holding_a_run(tmp_path):
+    W.run_mlp(tmp_path / "fresh", steps=2, report_to="none", resume="never")  # nothing there: trains
+    with pytest.raises(RunExistsError, match=rf"{tmp_path / 'fresh'} already holds a run \({tmp_path / 'fresh'}/final\)"):
+        W.run_mlp(tmp_path / "fresh", steps=2, report_to="none", resume="never")
+    W.run_mlp(tmp_path / "ck", steps=2, checkpoint_every=2, report_to="none", export=False)
+    with pytest.raises(RunExistsError, match="step-000002"):
+        W.run_mlp(tmp_path / "ck", steps=2, checkpoint_every=2, report_to="none", resume="never", export=False)
+
+
+def test_finished_run_is_reported_not_retrained_or_reexported(tmp_path, capsys):
+    x, y = W.mlp_data(12, seed=9)
+    _, first = W.run_mlp(tmp_path, steps=4, checkpoint_every=2, report_to="none", eval_data=W.ListLoader(x, y, 4))
+    export = tmp_path / "final" / "model.safetensors"
+    before = export.stat()
+    capsys.readouterr()
+    never = W.StopAfter(W.mlp_loss, 0)  # raises if anything is trained (or evaluated through the loss)
+    _, again = W.run_mlp(tmp_path, steps=4, checkpoint_every=2, report_to="none", loss_fn=never,
+                         eval_data=W.ListLoader(x, y, 4), keep_checkpoints=5)  # an ignored setting may differ
+    assert "already finished" in capsys.readouterr().out
+    assert again == first and again["step"] == 4 and "eval/loss" in again
+    after = export.stat()
+    assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)
+    # A damaged export of a finished run is reported and written again from the final checkpoint.
+    data = bytearray(export.read_bytes())
+    data[-1] ^= 1
+    export.write_bytes(bytes(data))
+    with pytest.warns(UserWarning, match="model.safetensors differs from the sha256.*exporting the final checkpoint"):
+        W.run_mlp(tmp_path, steps=4, checkpoint_every=2, report_to="none", loss_fn=never,
+                  eval_data=W.ListLoader(x, y, 4))
+    _assert_equal(_weights(tmp_path / "final"), _weights(tmp_path / "checkpoints" / "step-000004"))
+    load_pretrained(tmp_path / "final")
+
+
+def test_no_terminal_logs_plain_lines_instead_of_a_bar(tmp_path, capsys, monkeypatch):
+    """stderr redirected to a file (capsys: not a TTY): no tqdm carriage returns, one line per log step."""
+    x, y = W.mlp_data(48)
+
+    def fit(out: Path) -> None:
+        cfg = TrainConfig(output_dir=str(out), steps=3, log_every=1, progress=True, mixed_precision="no",
+                          report_to="none", export=False)
+        Trainer(W.make_mlp(0), W.mlp_loss, W.ListLoader(x, y, 8), cfg).fit()
+
+    fit(tmp_path / "file")
+    captured = capsys.readouterr()
+    assert "\r" not in captured.err and "\r" not in captured.out
+    lines = [ln for ln in captured.out.splitlines() if ln.startswith("step ")]
+    assert [ln.split(":")[0] for ln in lines] == ["step 1/3", "step 2/3", "step 3/3"]
+    assert all(" loss " in ln and ", it/s " in ln for ln in lines)
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    monkeypatch.setattr(sys, "stderr", Terminal())
+    fit(tmp_path / "tty")
+    assert "\r" in sys.stderr.getvalue() and not any(ln.startswith("step ") for ln in capsys.readouterr().out.splitlines())
