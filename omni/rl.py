@@ -116,13 +116,14 @@ def _as_list(items: list[Any]) -> list[Any]:
     return items
 
 
-def load_episodes(data: str | Path, split: str = "train") -> list[dict[str, Any]]:
+def load_episodes(data: str | Path, split: str = "train", *, max_corrupt_fraction: float = 0.0) -> list[dict[str, Any]]:
     """Every episode of a dataset split written by ``omni data gym`` / ``omni data minari``, in shard order.
-    Each is a dict with observations/actions/rewards/terminations/truncations, "key" and "meta"."""
+    Each is a dict with observations/actions/rewards/terminations/truncations, "key" and "meta". Corrupt
+    samples are skipped up to ``max_corrupt_fraction`` of them (ShardLoader; default: none)."""
     from omni.data.reader import ShardLoader
 
     loader = ShardLoader(data, _decode_episode, _as_list, batch_size=256, split=split, rank=0, world_size=1,
-                         shuffle=False, fields=("npz",), max_corrupt_fraction=0.0)
+                         shuffle=False, fields=("npz",), max_corrupt_fraction=max_corrupt_fraction)
     episodes = [ep for batch in loader for ep in batch]
     if not episodes:
         raise ValueError(f"{data}: split {split!r} has no episodes")

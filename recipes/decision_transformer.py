@@ -19,15 +19,16 @@ dataset manifest (``omni data gym`` measures them). Prints a Markdown table and 
 from __future__ import annotations
 
 import json
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from omni.config import recipe_config, recipe_parser
+from omni.config import (FRACTION, NON_EMPTY, POSITIVE, Check, Key, at_least, one_of, recipe_config, recipe_parser,
+                          run_recipe, train_config)
 from omni.data.shards import read_manifest
+from omni.deps import require
 from omni.rl import (
     DecisionTransformer,
     SpaceSpec,
@@ -42,33 +43,46 @@ from omni.rl import (
     summarize_returns,
     top_episodes,
 )
-from omni.train import TrainConfig, Trainer, process_state, unwrap
+from omni.train import Trainer, process_state, unwrap
 from omni.trunk import preset
 
 # ---------------------------------------------------------------------------------------------------
 # Config. Every entry can be overridden with --set key=value.
 
 COMMON = dict(
-    env="CartPole-v1", data=None,  # None: data/gym-<env>, built with `omni data gym` settings below
-    episodes=1000, mix=None, data_seed=0, out=None,
-    policies=None,  # an `omni data train-policy` file for envs without built-in behaviour policies
-    methods=["dt", "bc", "fbc"], fbc_fraction=0.1,
-    trunk="dt", trunk_overrides={}, positions="none",  # official DT: no token positions, a timestep embedding
-    dropout=0.1, context=20, rtg_scale=None, short="pad",
-    action_dropout=0.0,  # hide each past action's value with this probability in training (0: official DT)
+    env=Key("CartPole-v1", help="Gymnasium env id (data building and evaluation)"),
+    data=Key(None, help="dataset directory (None: data/gym-<env>, built with the settings below if missing)"),
+    episodes=Key(1000, check=at_least(1), help="episodes to record when building the data"),
+    mix=Key(None, (str, None), help="behaviour policy mix 'POLICY:WEIGHT,...' (None: the env's default)"),
+    data_seed=Key(0, check=at_least(0)), out=Key(None, (str, None), help="None: runs/dt-<env>-<preset>"),
+    policies=Key(None, (str, None), help="an `omni data train-policy` file for envs without built-in policies"),
+    methods=Key(["dt", "bc", "fbc"], check=NON_EMPTY, each=Key(type=str, check=one_of("dt", "bc", "fbc")),
+                help="dt: returns-conditioned; bc: (state, action) only; fbc: bc on the top fbc_fraction episodes"),
+    fbc_fraction=Key(0.1, check=Check(lambda v: 0 < v <= 1, "in (0, 1]")),
+    trunk="dt", trunk_overrides={},
+    positions=Key("none", help="official DT: no token positions, a timestep embedding"),
+    dropout=0.1, context=Key(20, check=at_least(1), help="steps per training window"),
+    rtg_scale=Key(None, (float, None), POSITIVE, "returns-to-go divided by this (None: from the data)"),
+    short=Key("pad", check=one_of("pad", "drop", "error"), help="episodes shorter than context"),
+    action_dropout=Key(0.0, check=FRACTION, help="hide each past action's value with this probability in "
+                                                  "training (0: official DT)"),
     batch_size=64, steps=10_000, lr=1e-4, min_lr_ratio=0.1, warmup_steps=1000, weight_decay=1e-4, clip_norm=0.25,
-    # cuda_graph: the whole step as one CUDA graph (the DT is launch-bound: 5-9x the eager step on an H100);
-    # "auto" = on when training on one CUDA device, off on CPU and under multi-process launches
+    # cuda_graph: the whole step as one CUDA graph (the DT is launch-bound: 5-9x the eager step on an H100)
     compile=False, cuda_graph="auto",
-    train_seeds=[0], eval_seeds=5, target_fractions=[1.0, 0.75, 0.5],  # of (expert - random)
-    targets=None,  # explicit target returns (overrides target_fractions)
-    eval_cache=True, progress=True, log_every=100,
+    train_seeds=Key([0], check=NON_EMPTY, each=Key(type=int, check=at_least(0)), help="one run per seed"),
+    eval_seeds=Key(5, check=at_least(1), help="rollout episodes per target (env seeds 10000..)"),
+    target_fractions=Key([1.0, 0.75, 0.5], check=NON_EMPTY, help="target returns as fractions of "
+                                                                  "(expert - random) over random"),
+    targets=Key(None, (list, None), NON_EMPTY, each=Key(type=float),
+                help="explicit target returns (over target_fractions)"),
+    eval_cache=Key(True, help="KV-cached rollouts"), eval_every=0, checkpoint_every=1000, log_every=100,
+    progress=True, report_to="tensorboard", resume="auto", max_corrupt_fraction=0.01,
 )
 PRESETS: dict[str, dict] = {
     # CPU smoke run: a small trunk, a short context, a few hundred steps on a small CartPole set.
     "tiny": dict(episodes=60, trunk="tiny", trunk_overrides=dict(d_model=32, n_layers=2, n_heads=1), context=5,
                  dropout=0.0, batch_size=32, steps=60, lr=1e-3, warmup_steps=5, eval_seeds=2,
-                 target_fractions=[1.0], log_every=20),
+                 target_fractions=[1.0], log_every=20, checkpoint_every=30),
     # The official Decision Transformer configuration (3 layers, width 128, 1 head, context 20).
     "dt": dict(),
     # The official trunk trained to read the state rather than copy its past actions: each past action's value
@@ -84,16 +98,10 @@ PRESETS: dict[str, dict] = {
 
 
 def parse_args(argv=None) -> dict:
-    ap = recipe_parser(__doc__, PRESETS, "dt", data_help="dataset directory (manifest.json + episode shards)")
+    ap = recipe_parser(__doc__, COMMON, PRESETS, "dt", data_help="dataset directory (manifest.json + episode shards)")
     ap.add_argument("--env", default=None, help="Gymnasium env id for data building and evaluation")
     args = ap.parse_args(argv)
-    updates = {name: getattr(args, name) for name in ("env", "data", "out") if getattr(args, name)}
-    cfg = recipe_config(ap, args, COMMON, PRESETS, "dt", updates)
-    unknown = set(cfg["methods"]) - {"dt", "bc", "fbc"}
-    if unknown:
-        ap.error(f"methods: unknown {sorted(unknown)}; choose from dt, bc, fbc")
-    if cfg["cuda_graph"] not in (True, False, "auto"):  # checked here, before any data is built
-        ap.error(f"cuda_graph must be True, False or 'auto', got {cfg['cuda_graph']!r}")
+    cfg = recipe_config(ap, args, COMMON, PRESETS, "dt", {"env": args.env} if args.env else {})
     cfg["data"] = cfg["data"] or f"data/gym-{cfg['env']}" + ("-tiny" if cfg["preset"] == "tiny" else "")
     cfg["out"] = cfg["out"] or f"runs/dt-{cfg['env']}-{cfg['preset']}"
     return cfg
@@ -113,18 +121,45 @@ def load_data(cfg: dict) -> tuple[dict, list[dict]]:
     manifest = read_manifest(data)
     if manifest.get("env_id") and manifest["env_id"] != cfg["env"]:
         raise ValueError(f"{data} holds {manifest['env_id']} episodes but --env is {cfg['env']}")
-    return manifest, load_episodes(data, "train")
+    return manifest, load_episodes(data, "train", max_corrupt_fraction=cfg["max_corrupt_fraction"])
 
 
 def use_cuda_graph(cfg: dict, state) -> bool:
     """cfg["cuda_graph"]: True / False, or "auto" (one CUDA process: yes; CPU or several processes: no)."""
-    value = cfg["cuda_graph"]  # parse_args has checked it
+    value = cfg["cuda_graph"]  # checked when parsed
     if value == "auto":
         return state.device.type == "cuda" and state.num_processes == 1
     return bool(value)
 
 
-def train_one(cfg: dict, tok, episodes: list[dict], method: str, seed: int, device: torch.device):
+class Rollouts:
+    """The Trainer's model_metrics_fn for one run: the policy's rollouts in the real env (``evaluate``: one row
+    per target return, None for bc / fbc), logged as eval/<target>/return_mean, score_mean, ...; the rows of
+    the last evaluation are kept in ``rows``. fp32, as the policy is exported."""
+
+    def __init__(self, tok, cfg: dict, targets: list, reference: tuple[float, float], max_steps: int, device) -> None:
+        self.tok, self.cfg, self.targets, self.reference = tok, cfg, targets, reference
+        self.max_steps, self.device = max_steps, device
+        self.seeds = list(range(10_000, 10_000 + cfg["eval_seeds"]))  # disjoint from the data's env seeds
+        self.rows: list[dict[str, Any]] = []
+        self.seconds = 0.0
+
+    def __call__(self, model, step: int) -> dict[str, float]:
+        t0 = time.time()
+        policy = unwrap(model)
+        with torch.autocast(torch.device(self.device).type, enabled=False):
+            self.rows = evaluate(policy, self.tok, self.cfg["env"], targets=self.targets if policy.use_returns
+                                 else [None], seeds=self.seeds, reference=self.reference, max_steps=self.max_steps,
+                                 device=self.device, cache=self.cfg["eval_cache"])
+        self.seconds += time.time() - t0
+        return {("" if r["target"] is None else f"target{r['target']:g}/") + k: r[k] for r in self.rows
+                for k in ("return_mean", "return_std", "score_mean", "score_std")}
+
+
+def train_one(cfg: dict, tok, episodes: list[dict], method: str, seed: int, device: torch.device,
+              rollouts: Rollouts | None = None):
+    """Train one method with one seed in <out>/<method>-seed<seed> (checkpoints, TensorBoard logs, the export;
+    a re-run resumes), evaluated with ``rollouts`` through the Trainer (None: no evaluation)."""
     use_returns = method == "dt"
     data = encode_episodes(tok, episodes, short=cfg["short"]).to(device)
     state = process_state()  # each rank takes its own slice of the windows (accelerate launch)
@@ -139,21 +174,22 @@ def train_one(cfg: dict, tok, episodes: list[dict], method: str, seed: int, devi
         tokens, targets = batch
         return action_loss(model, tok, tokens, targets)
 
-    out = Path(cfg["out"]) / f"{method}-seed{seed}"
-    config = TrainConfig(output_dir=str(out), steps=cfg["steps"], lr=cfg["lr"], min_lr_ratio=cfg["min_lr_ratio"],
-                         warmup_steps=min(cfg["warmup_steps"], cfg["steps"]), weight_decay=cfg["weight_decay"],
-                         clip_norm=cfg["clip_norm"], compile=cfg["compile"], cuda_graph=use_cuda_graph(cfg, state),
-                         seed=seed, run_name=f"{method}-{seed}", progress=cfg["progress"], log_every=cfg["log_every"],
-                         report_to="none")
+    config = train_config(cfg, output_dir=str(Path(cfg["out"]) / f"{method}-seed{seed}"), seed=seed,
+                          warmup_steps=min(cfg["warmup_steps"], cfg["steps"]), cuda_graph=use_cuda_graph(cfg, state),
+                          run_name=f"{method}-{seed}")
     export = {"builder": "omni.rl:build_decision_transformer", "trunk": trunk.to_dict(), "use_returns": use_returns,
               "env_id": cfg["env"], "method": method}
-    trainer = Trainer(model, loss_fn, loader, config, hparams=cfg, export_config=export,
-                      export_tokenizers={"trajectory": tok})
+    hparams = {k: v for k, v in cfg.items() if k not in ("methods", "train_seeds")}  # this run's: resume checks them
+    trainer = Trainer(model, loss_fn, loader, config, model_metrics_fn=rollouts, hparams=hparams,
+                      export_config=export, export_tokenizers={"trajectory": tok})
     t0 = time.time()
     metrics = trainer.fit()
-    metrics["train_seconds"] = time.time() - t0
+    metrics["train_seconds"] = time.time() - t0 - (rollouts.seconds if rollouts else 0.0)
     metrics["windows"] = loader.num_windows
-    return unwrap(trainer.model), metrics
+    model = unwrap(trainer.model)
+    if rollouts is not None and not rollouts.rows:  # a re-run of a finished run: fit evaluated nothing
+        rollouts(model, trainer.step)
+    return model, metrics
 
 
 def markdown(rows: list[dict]) -> str:
@@ -168,6 +204,7 @@ def markdown(rows: list[dict]) -> str:
 
 def main(argv=None) -> dict:
     cfg = parse_args(argv)
+    gym = require("gymnasium")
     state = process_state()
     device = state.device
     if state.is_main_process:
@@ -176,14 +213,11 @@ def main(argv=None) -> dict:
     if not state.is_main_process:
         manifest, episodes = load_data(cfg)
     spaces = SpaceSpec.from_manifest(manifest)
-    import gymnasium as gym
-
     limit = gym.spec(cfg["env"]).max_episode_steps or max(len(ep["actions"]) for ep in episodes)
     ref, ref_source = reference_returns(manifest, episodes)
     tok = make_tokenizer(episodes, spaces, context=cfg["context"], rtg_scale=cfg["rtg_scale"],
                          max_timestep=max(limit, max(len(ep["actions"]) for ep in episodes)) + 1)
     targets = cfg["targets"] or [ref[0] + f * (ref[1] - ref[0]) for f in cfg["target_fractions"]]
-    eval_seeds = list(range(10_000, 10_000 + cfg["eval_seeds"]))  # disjoint from the data's env seeds
     print(f"{cfg['env']}: {len(episodes)} episodes, returns {min(map(episode_return, episodes)):.1f}.."
           f"{max(map(episode_return, episodes)):.1f}; reference random {ref[0]:.1f} / expert {ref[1]:.1f} "
           f"({ref_source}); {device}", flush=True)
@@ -192,11 +226,10 @@ def main(argv=None) -> dict:
     for method in cfg["methods"]:
         data = top_episodes(episodes, cfg["fbc_fraction"]) if method == "fbc" else episodes
         for seed in cfg["train_seeds"]:
-            model, metrics = train_one(cfg, tok, data, method, seed, device)
-            t0 = time.time()
-            rows = evaluate(model, tok, cfg["env"], targets=targets if method == "dt" else [None], seeds=eval_seeds,
-                            reference=ref, max_steps=limit, device=device, cache=cfg["eval_cache"])
-            runs.append({"method": method, "seed": seed, "episodes": len(data), "eval_seconds": time.time() - t0,
+            rollouts = Rollouts(tok, cfg, targets, ref, limit, device)
+            _, metrics = train_one(cfg, tok, data, method, seed, device, rollouts)
+            rows = rollouts.rows
+            runs.append({"method": method, "seed": seed, "episodes": len(data), "eval_seconds": rollouts.seconds,
                          **{k: v for k, v in metrics.items() if isinstance(v, (int, float))}, "rows": rows})
             if state.is_main_process:  # one line per target as each run finishes (the table comes at the end)
                 for r in rows:
@@ -221,4 +254,4 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    sys.exit(0 if main() is not None else 1)
+    run_recipe(main)

@@ -101,10 +101,11 @@ The single-task recipes themselves (their own trunks and schedules) give the ref
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import json
 import math
-import sys
+import os
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -112,11 +113,14 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from omni.config import recipe_config, recipe_parser
+from omni.config import (NON_EMPTY, Check, Key, at_least, check_corpus, keywords_of, one_of, recipe_config,
+                          recipe_parser, run_recipe, train_config)
+from omni.data.builders_speech import build_speech_synth
+from omni.deps import require
 from omni.multitask import (ActionTask, ClassifyTask, LMTask, MixtureLoader, MultitaskModel, Task, TranscribeTask,
                             merge_tokenizers, multitask_loss)
 from omni.segment import Segment
-from omni.train import TrainConfig, Trainer, process_state, unwrap
+from omni.train import Trainer, process_state, unwrap
 from omni.trunk import preset
 
 # ---------------------------------------------------------------------------------------------------
@@ -141,15 +145,41 @@ TASKS: dict[str, dict[str, Any]] = {
 SYNTH_ASR = dict(kind="transcribe", source="speech-synth", weight=1.0, loss_weight=1.0, train=20000, test=500,
                  max_words=25, voices=["en-us", "en", "en-us+f3", "en+m3", "en-gb-x-rp"], rates=[140, 210],
                  max_new_tokens=224, eval_batch_size=64, ctc_weight=0.0)
+COUNT = Key(type=int, check=at_least(1))
+# What a task entry takes (each kind reads its own entries; `tokenizer` ... `n_classes`: a user task).
+TASK = Key(type=dict, entries=dict(
+    kind=Key(type=str, check=one_of("classify", "transcribe", "action", "lm")), source=Key(type=str),
+    weight=Key(type=float, check=at_least(0), help="sampling weight"),
+    loss_weight=Key(type=float, check=at_least(0), help="factor on the task's mean loss"),
+    patch=COUNT, limit_train=Key(), limit_eval=Key(), limit=Key(type=(int, None), check=at_least(1)),
+    shards=Key(type=str), build=Key(type=(dict, None), check=keywords_of(build_speech_synth)),
+    train=COUNT, test=COUNT, max_words=COUNT, voices=Key(type=list, check=NON_EMPTY, each=Key(type=str)),
+    rates=Key(type=list, check=Check(lambda v: len(v) == 2 and v[0] <= v[1], "[low, high]"), each=COUNT),
+    max_new_tokens=COUNT, eval_batch_size=Key(), ctc_weight=Key(type=float, check=at_least(0)),
+    env=Key(type=str), episodes=COUNT, mix=Key(type=(str, None)), context=COUNT, reference_episodes=COUNT,
+    eval_seeds=COUNT, target=Key(type=(float, None)), max_tokens=COUNT,
+    eval_fraction=Key(type=float, check=Check(lambda v: 0 < v < 1, "in (0, 1)")),
+    tokenizer=Key(type=str), tokenizer_kwargs=Key(type=dict), data=Key(type=str), data_kwargs=Key(type=dict),
+    n_classes=Key(type=int, check=at_least(2)),
+))
 COMMON = dict(
-    out="runs/multimodal", cache="data/multimodal", tasks=TASKS, extra_tasks={}, weights={},
+    out="runs/multimodal", cache=Key("data/multimodal", help="where the tasks' data are built and cached"),
+    tasks=Key(TASKS, each=TASK, help="name -> task entry (module docstring); one entry: tasks.NAME.ENTRY=VALUE"),
+    extra_tasks=Key({}, each=TASK, help="more tasks: a registered tokenizer + a data callable"),
+    weights=Key({}, each=Key(type=float, check=at_least(0)), help="task name -> sampling weight (over its own)"),
+    text=None,  # the corpus of the text task and of synthesised speech
     trunk="S", trunk_overrides={}, positions="rope2d",
-    row_length=4096, rows=8, batches_per_epoch=1000, max_misses=4,
+    row_length=Key(4096, check=at_least(1), help="tokens per packed row"), rows=Key(8, check=at_least(1)),
+    batches_per_epoch=Key(1000, check=at_least(1)), max_misses=Key(4, check=at_least(0)),
     steps=20000, lr=1e-3, min_lr_ratio=0.02, warmup_steps=1000, weight_decay=0.05, clip_norm=1.0,
-    workers=8, compile=False, eval_every=2000, eval_batches=50, checkpoint_every=2000, log_every=50,
-    seed=0, progress=True, report_to="tensorboard",
-    eval_tasks=True,  # task metrics (accuracy, CER/WER, rollout score, perplexity): True | "end" | False
-    only=None,  # a task name (or list of names) to train alone: the single-task baseline, same trunk and budget
+    workers=8, compile=False, eval_every=2000,
+    eval_batches=Key(50, check=at_least(0), help="held-out mixture batches per evaluation (0: none)"),
+    checkpoint_every=2000, log_every=50, seed=0, progress=True, report_to="tensorboard",
+    eval_tasks=Key(True, (bool, str), one_of(True, False, "end"), "task metrics (accuracy, CER/WER, rollout "
+                                                                 "score, perplexity): at every eval, at the end, never"),
+    only=Key(None, (str, list, None), each=Key(type=str),
+             help="a task name (or list of names) to train alone: the single-task baseline, same trunk and budget"),
+    max_corrupt_fraction=0.01, resume="auto",
 )
 PRESETS: dict[str, dict[str, Any]] = {
     # CPU smoke run: a tiny trunk, a few hundred samples per task, two rows of 512 tokens.
@@ -189,23 +219,22 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 
 def parse_args(argv=None) -> dict:
-    ap = recipe_parser(__doc__, PRESETS, "base on CUDA, tiny otherwise", data_help=None)
-    args = ap.parse_args(argv)
-    cfg = recipe_config(ap, args, COMMON, PRESETS, "base" if torch.cuda.is_available() else "tiny",
-                        {"out": args.out} if args.out else {})
+    ap = recipe_parser(__doc__, COMMON, PRESETS, "base on CUDA, tiny otherwise", data_help=None)
+    cfg = recipe_config(ap, ap.parse_args(argv), COMMON, PRESETS, "base" if torch.cuda.is_available() else "tiny")
     tasks = {**cfg["tasks"], **cfg["extra_tasks"]}
     for name_, w in cfg["weights"].items():
         if name_ not in tasks:
             ap.error(f"weights: unknown task {name_!r}; tasks are {', '.join(tasks)}")
-        tasks[name_] = {**tasks[name_], "weight": float(w)}
+        tasks[name_] = {**tasks[name_], "weight": w}
     if cfg["only"] is not None:  # the single-task baseline: every other task leaves the run entirely
-        only = [cfg["only"]] if isinstance(cfg["only"], str) else list(cfg["only"])
+        only = [cfg["only"]] if isinstance(cfg["only"], str) else cfg["only"]
         unknown = [n for n in only if n not in tasks]
         if unknown or not only:
             ap.error(f"only: unknown task(s) {unknown}; tasks are {', '.join(tasks)}")
         tasks = {n: tasks[n] for n in only}
-    if cfg["eval_tasks"] not in (True, False, "end"):
-        ap.error(f"eval_tasks must be True, False or 'end', got {cfg['eval_tasks']!r}")
+    missing = [name_ for name_, spec in tasks.items() if "kind" not in spec]
+    if missing:
+        ap.error(f"tasks.{missing[0]} has no 'kind'")
     cfg["tasks"] = tasks
     return cfg
 
@@ -221,10 +250,10 @@ def _text_tokenizer():
     return TextTokenizer()
 
 
-def fashion_mnist(spec: dict, cache: Path) -> dict[str, tuple[list, list]]:
+def fashion_mnist(spec: dict, cfg: dict) -> dict[str, tuple[list, list]]:
     from omni.data.builders_vision import locate_fashion_mnist, read_idx
 
-    folder = locate_fashion_mnist(None, cache / "fashion-mnist")
+    folder = locate_fashion_mnist(None, Path(cfg["cache"]) / "fashion-mnist")
     out = {}
     for split, stem, limit in (("train", "train", spec.get("limit_train")), ("test", "t10k", spec.get("limit_eval"))):
         images = read_idx(next(folder.glob(f"{stem}-images-idx3-ubyte*")))[:limit]
@@ -233,14 +262,27 @@ def fashion_mnist(spec: dict, cache: Path) -> dict[str, tuple[list, list]]:
     return out
 
 
-def speech_synth(spec: dict, cache: Path, audio, seed: int) -> dict[str, tuple[list, list]]:
-    """Synthesised utterances, encoded once to log-mel tokens and cached (the mel extraction is the CPU cost)."""
+def corpus_tag(text: list[str] | None) -> str:
+    """'' for the default corpus, else '-<digest of the files' paths, sizes and times>' (cache names)."""
+    if text is None:
+        return ""
+    stats = [(os.path.abspath(p), *((os.stat(p).st_size, os.stat(p).st_mtime_ns) if os.path.isfile(p) else ()))
+             for p in text]
+    return "-" + hashlib.sha256(json.dumps(stats).encode()).hexdigest()[:12]
+
+
+def speech_synth(spec: dict, cfg: dict, audio) -> dict[str, tuple[list, list]]:
+    """Synthesised utterances of the corpus (``text``), encoded once to log-mel tokens and cached (the mel
+    extraction is the CPU cost)."""
+    seed = cfg["seed"]
 
     def build() -> dict[str, dict[str, list]]:
         from omni.data.builders_speech import load_paragraphs, split_sentences_by_seed
         from omni.data.speech import extract_sentences, render_utterance
 
-        paragraphs, _ = load_paragraphs(None)
+        require("espeakng_loader")
+        check_corpus(cfg["text"])
+        paragraphs, _ = load_paragraphs(cfg["text"])
         sentences = extract_sentences(paragraphs, 3, spec["max_words"])
         train, test = split_sentences_by_seed(sentences, spec["test"], seed)
         rng = np.random.default_rng(seed)
@@ -258,7 +300,8 @@ def speech_synth(spec: dict, cache: Path, audio, seed: int) -> dict[str, tuple[l
             data[split] = {"tokens": tokens, "text": texts}
         return data
 
-    return _cached_audio(cache / f"speech-{spec['train']}-{spec['test']}-{spec['max_words']}.pt", build, audio)
+    name = f"speech-{spec['train']}-{spec['test']}-{spec['max_words']}{corpus_tag(cfg['text'])}.pt"
+    return _cached_audio(Path(cfg["cache"]) / name, build, audio)
 
 
 def _cached_audio(path: Path, build: Callable[[], dict[str, dict[str, list]]], audio) -> dict[str, tuple[list, list]]:
@@ -274,11 +317,10 @@ def _cached_audio(path: Path, build: Callable[[], dict[str, dict[str, list]]], a
             for split, d in data.items()}
 
 
-def speech_shards(spec: dict, cache: Path, audio, seed: int) -> dict[str, tuple[list, list]]:
+def speech_shards(spec: dict, cfg: dict, audio) -> dict[str, tuple[list, list]]:
     """recipes/whisper.py's dataset (``spec["shards"]``, built with ``spec["build"]`` as that recipe builds it if
     missing): the same train and test clips, encoded once to log-mel tokens and cached under ``cache``. Clips
     longer than the audio tokenizer's max_seconds are dropped, as recipes/whisper.py drops them."""
-    import hashlib
     import warnings
 
     from omni.data.reader import ShardLoader
@@ -287,10 +329,11 @@ def speech_shards(spec: dict, cache: Path, audio, seed: int) -> dict[str, tuple[
     if not (data / "manifest.json").is_file():
         if not spec.get("build"):
             raise FileNotFoundError(f"{data}/manifest.json not found: build it with `omni data speech-synth`")
-        from omni.data.builders_speech import build_speech_synth
-
+        build = {"text": cfg["text"], "seed": cfg["seed"], "quiet": True, **spec["build"]}
+        require("espeakng_loader")
+        check_corpus(build["text"])
         print(f"synthesising speech shards in {data} (as recipes/whisper.py) ...", flush=True)
-        build_speech_synth(data, **spec["build"], seed=seed, quiet=True)
+        build_speech_synth(data, **build)
     digest = hashlib.sha256((data / "manifest.json").read_bytes()).hexdigest()[:12]
 
     def build() -> dict[str, dict[str, list]]:
@@ -298,7 +341,7 @@ def speech_shards(spec: dict, cache: Path, audio, seed: int) -> dict[str, tuple[
         out = {}
         for split in ("train", "test"):
             loader = ShardLoader(data, decode, list, batch_size=256, split=split, rank=0, world_size=1,
-                                 shuffle=False, max_corrupt_fraction=0.0)
+                                 shuffle=False, max_corrupt_fraction=cfg["max_corrupt_fraction"])
             items = [it for batch in loader for it in batch]  # (a None from decode is dropped by the loader)
             if len(items) < loader.num_samples:
                 warnings.warn(f"{data} {split}: dropped {loader.num_samples - len(items)} clips longer than "
@@ -306,7 +349,7 @@ def speech_shards(spec: dict, cache: Path, audio, seed: int) -> dict[str, tuple[
             out[split] = {"tokens": [t for t, _ in items], "text": [x for _, x in items]}
         return out
 
-    return _cached_audio(cache / f"speech-shards-{digest}.pt", build, audio)
+    return _cached_audio(Path(cfg["cache"]) / f"speech-shards-{digest}.pt", build, audio)
 
 
 class _DecodeClip:
@@ -329,21 +372,20 @@ class _DecodeClip:
         return tokens, sample["txt"].decode("utf-8").strip()
 
 
-def gym_episodes(spec: dict, cache: Path, seed: int) -> tuple[dict[str, list], Any, tuple[float, float]]:
-    import gymnasium as gym
-
+def gym_episodes(spec: dict, cfg: dict) -> tuple[dict[str, list], Any, tuple[float, float]]:
+    gym = require("gymnasium")
     from omni.data.builders_rl import build_gym
     from omni.data.shards import read_manifest
     from omni.rl import SpaceSpec, load_episodes, make_tokenizer, reference_returns
 
     mix = spec.get("mix")
     tag = "" if mix is None else "-" + "".join(c if c.isalnum() else "_" for c in mix)
-    data = cache / f"gym-{spec['env']}-{spec['episodes']}{tag}"
+    data = Path(cfg["cache"]) / f"gym-{spec['env']}-{spec['episodes']}{tag}"
     if not (data / "manifest.json").is_file():
-        build_gym(data, env=spec["env"], episodes=spec["episodes"], mix=mix, seed=seed, minari=False, quiet=True,
+        build_gym(data, env=spec["env"], episodes=spec["episodes"], mix=mix, seed=cfg["seed"], minari=False, quiet=True,
                   reference_episodes=spec.get("reference_episodes", 10))
     manifest = read_manifest(data)
-    episodes = load_episodes(data, "train")
+    episodes = load_episodes(data, "train", max_corrupt_fraction=cfg["max_corrupt_fraction"])
     n_eval = max(1, len(episodes) // 10)
     # timestep table up to the env's step limit, so rollouts run whole episodes (as the DT recipe does)
     longest = max(len(ep["actions"]) for ep in episodes)
@@ -353,12 +395,15 @@ def gym_episodes(spec: dict, cache: Path, seed: int) -> tuple[dict[str, list], A
     return {"train": episodes[:-n_eval], "test": episodes[-n_eval:]}, tok, reference_returns(manifest, episodes)[0]
 
 
-def austen(spec: dict, cache: Path, text) -> dict[str, list[str]]:
-    path = cache / f"austen-{spec['max_tokens']}.json"
+def text_corpus(spec: dict, cfg: dict, text) -> dict[str, list[str]]:
+    """The corpus's paragraphs (``text``, default Austen's novels) of 4+ words that fit in ``max_tokens``;
+    the last ``eval_fraction`` of them held out."""
+    path = Path(cfg["cache"]) / f"austen-{spec['max_tokens']}{corpus_tag(cfg['text'])}.json"
     if not path.is_file():
-        from omni.tokenizers.text import austen_novels
+        from omni.data.builders_speech import load_paragraphs
 
-        paragraphs = [p for _, ps in sorted(austen_novels().items()) for p in ps if len(p.split()) >= 4]
+        check_corpus(cfg["text"])
+        paragraphs = [p for p in load_paragraphs(cfg["text"])[0] if len(p.split()) >= 4]
         lengths = [len(e.ids) + 2 for e in text.hf.encode_batch(paragraphs, add_special_tokens=False)]
         keep = [p for p, n in zip(paragraphs, lengths) if n <= spec["max_tokens"]]
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -382,7 +427,7 @@ def build_tasks(cfg: dict) -> dict[str, list[Task]]:
     from omni.tokenizers.audio import AudioTokenizer
     from omni.tokenizers.image import ImageTokenizer
 
-    cache, seed = Path(cfg["cache"]), cfg["seed"]
+    seed = cfg["seed"]
     out: dict[str, list[Task]] = {"train": [], "test": []}
     text = None
     for name, spec in cfg["tasks"].items():
@@ -404,22 +449,22 @@ def build_tasks(cfg: dict) -> dict[str, list[Task]]:
         source = spec.get("source")
         if kind == "classify" and source == "fashion-mnist":
             image = ImageTokenizer(patch_size=spec["patch"], channels=1, image_size=28, policy="resize")
-            for split, (items, labels) in fashion_mnist(spec, cache).items():
+            for split, (items, labels) in fashion_mnist(spec, cfg).items():
                 out[split].append(ClassifyTask(name, image, items, labels, 10, weight=w, loss_weight=lw))
         elif kind == "transcribe" and source in ("speech-synth", "speech-shards"):
             audio, text = AudioTokenizer(), text or _text_tokenizer()
             build = speech_synth if source == "speech-synth" else speech_shards
-            for split, (clips, transcripts) in build(spec, cache, audio, seed).items():
+            for split, (clips, transcripts) in build(spec, cfg, audio).items():
                 out[split].append(TranscribeTask(name, audio, text, clips, transcripts, weight=w, loss_weight=lw,
                                                  ctc_weight=float(spec.get("ctc_weight", 0.0))))
         elif kind == "action" and source == "gym":
-            episodes, tok, reference = gym_episodes(spec, cache, seed)
+            episodes, tok, reference = gym_episodes(spec, cfg)
             for split, eps in episodes.items():
                 out[split].append(ActionTask(name, tok, eps, weight=w, loss_weight=lw, env_id=spec["env"],
                                              reference=reference))
         elif kind == "lm" and source == "austen":
             text = text or _text_tokenizer()
-            for split, texts in austen(spec, cache, text).items():
+            for split, texts in text_corpus(spec, cfg, text).items():
                 out[split].append(LMTask(name, text, texts, weight=w, loss_weight=lw))
         else:
             raise ValueError(f"task {name!r}: unknown kind/source {kind!r}/{source!r} (built in: classify/fashion-mnist, "
@@ -547,13 +592,8 @@ def main(argv=None, *, on_trained=None) -> dict:
     sharded = parse_flag_from_env("ACCELERATE_USE_FSDP")
     in_training = bool(cfg["eval_tasks"]) and not sharded
     record: dict[str, dict[str, float]] = {}
-    config = TrainConfig(
-        output_dir=cfg["out"], steps=cfg["steps"], lr=cfg["lr"], min_lr_ratio=cfg["min_lr_ratio"],
-        warmup_steps=min(cfg["warmup_steps"], cfg["steps"]), weight_decay=cfg["weight_decay"],
-        clip_norm=cfg["clip_norm"], compile=cfg["compile"], eval_every=cfg["eval_every"],
-        checkpoint_every=cfg["checkpoint_every"], log_every=cfg["log_every"], seed=cfg["seed"],
-        run_name=f"multimodal-{cfg['preset']}", progress=cfg["progress"], report_to=cfg["report_to"],
-    )
+    config = train_config(cfg, warmup_steps=min(cfg["warmup_steps"], cfg["steps"]),
+                          run_name=f"multimodal-{cfg['preset']}")
     export = model.export_config()
     trainer = Trainer(model, multitask_loss, train, config, eval_data=losses, eval_fn=eval_fn,
                       model_metrics_fn=make_model_metrics_fn(tasks["test"], cfg, record) if in_training else None,
@@ -600,4 +640,4 @@ def main(argv=None, *, on_trained=None) -> dict:
 
 
 if __name__ == "__main__":
-    sys.exit(0 if main() is not None else 1)
+    run_recipe(main)

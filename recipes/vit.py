@@ -20,12 +20,13 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from omni.config import recipe_config, recipe_parser
+from omni.config import (FRACTION, POSITIVE, Key, at_least, between, one_of, recipe_config, recipe_parser,
+                          run_recipe, train_config)
 from omni.data.memory import TensorLoader, materialise
 from omni.data.reader import ShardLoader
 from omni.data.shards import read_manifest
 from omni.tokenizers.image import ImageTokenizer
-from omni.train import TrainConfig, Trainer, process_state, unwrap
+from omni.train import Trainer, process_state, unwrap
 from omni.trunk import preset
 from omni.vision import BatchAugment, ImageClassifier, mixup_cutmix
 
@@ -33,13 +34,24 @@ from omni.vision import BatchAugment, ImageClassifier, mixup_cutmix
 # Config. Every entry can be overridden with --set key=value.
 
 COMMON = dict(
-    data="data/fashion-mnist", build="fashion-mnist", out="runs/vit", image_size=28, channels=1,
-    resize=None,  # None: images already image_size; int: resize shorter side, then crop image_size
-    in_memory=True,  # decode the whole split once into tensors (small datasets)
-    patch=4, trunk="S", trunk_overrides={}, positions="learned", pool="mean",
-    batch_size=256, epochs=10, steps=None, lr=1e-3, min_lr_ratio=0.01, warmup_epochs=1.0, weight_decay=0.05,
-    clip_norm=1.0, label_smoothing=0.1, mixup=0.0, cutmix=0.0, pad=2, flip=True, erase_prob=0.25,
-    workers=2, compile=False, eval_every_epochs=1.0, checkpoint_every_epochs=1.0, seed=0, progress=True,
+    data="data/fashion-mnist", out="runs/vit",
+    build=Key("fashion-mnist", (str, None), one_of("fashion-mnist"), "build this dataset in `data` if missing"),
+    image_size=Key(28, check=at_least(1), help="input images are image_size x image_size pixels"),
+    channels=Key(1, check=one_of(1, 3), help="1: grey, 3: RGB"),
+    resize=Key(None, (int, None), at_least(1), "None: images already image_size; N: resize the shorter side "
+                                                "to N, then crop image_size"),
+    in_memory=Key(True, help="decode the whole split once into tensors (small datasets)"),
+    patch=Key(4, check=at_least(1), help="patch size in pixels"), trunk="S", trunk_overrides={},
+    positions="learned", pool=Key("mean", check=one_of("mean", "cls")),
+    batch_size=256, epochs=Key(10, (float, None), POSITIVE, "training epochs (unless steps is set)"),
+    steps=Key(None, (int, None), help="optimizer steps (None: epochs x steps per epoch)"), lr=1e-3,
+    min_lr_ratio=0.01, warmup_epochs=Key(1.0, check=at_least(0)), weight_decay=0.05, clip_norm=1.0,
+    label_smoothing=Key(0.1, check=between(0, 0.99)), mixup=Key(0.0, check=at_least(0), help="mixup alpha"),
+    cutmix=Key(0.0, check=at_least(0), help="cutmix alpha"), pad=Key(2, check=at_least(0), help="random-crop padding"),
+    flip=True, erase_prob=Key(0.25, check=FRACTION, help="random-erasing probability"), workers=2,
+    compile=False, eval_every_epochs=Key(1.0, check=at_least(0), help="0: evaluate at the end only"),
+    checkpoint_every_epochs=Key(1.0, check=at_least(0), help="0: no checkpoints"), seed=0, progress=True,
+    limit_train=None, limit_eval=None, max_corrupt_fraction=0.01, resume="auto",
 )
 PRESETS: dict[str, dict] = {
     # CPU smoke test: a few steps of a tiny trunk on a slice of the data.
@@ -63,16 +75,12 @@ PRESETS: dict[str, dict] = {
 
 
 def parse_args(argv=None) -> dict:
-    ap = recipe_parser(__doc__, PRESETS, "fmnist on CUDA, fmnist-cpu otherwise")
-    args = ap.parse_args(argv)
-    updates = {"data": args.data, "build": None} if args.data else {}
-    if args.out:
-        updates["out"] = args.out
-    common = {**COMMON, "limit_train": None, "limit_eval": None}
-    cfg = recipe_config(ap, args, common, PRESETS, "fmnist" if torch.cuda.is_available() else "fmnist-cpu", updates)
-    name = cfg["preset"]
+    ap = recipe_parser(__doc__, COMMON, PRESETS, "fmnist on CUDA, fmnist-cpu otherwise")
+    cfg = recipe_config(ap, ap.parse_args(argv), COMMON, PRESETS, "fmnist" if torch.cuda.is_available() else "fmnist-cpu")
     if cfg["data"] is None:
-        ap.error(f"preset {name!r} needs --data DIR (shards from `omni data images`)")
+        ap.error(f"preset {cfg['preset']!r} needs --data DIR (shards from `omni data images`)")
+    if cfg["steps"] is None and cfg["epochs"] is None:
+        ap.error("set steps or epochs")
     return cfg
 
 
@@ -141,7 +149,8 @@ def build_data(cfg: dict, rank: int, world: int, device: torch.device):
         limit = cfg["limit_train" if train else "limit_eval"]
         if cfg["in_memory"]:
             once = ShardLoader(data, decode, stack, batch_size=1024, split=split, rank=0, world_size=1, shuffle=False,
-                               num_workers=cfg["workers"] if device.type == "cuda" else 0)
+                               num_workers=cfg["workers"] if device.type == "cuda" else 0,
+                               max_corrupt_fraction=cfg["max_corrupt_fraction"])
             images, labels = materialise(once, device)
             if limit:
                 images, labels = images[:limit], labels[:limit]
@@ -150,7 +159,8 @@ def build_data(cfg: dict, rank: int, world: int, device: torch.device):
         else:
             loaders[split] = ShardLoader(data, decode, stack, cfg["batch_size"], split=split, rank=rank,
                                          world_size=world, shuffle=train, seed=cfg["seed"],
-                                         num_workers=cfg["workers"], drop_last=train)
+                                         num_workers=cfg["workers"], drop_last=train,
+                                         max_corrupt_fraction=cfg["max_corrupt_fraction"])
     train_loader, eval_loader = loaders.values()
     return train_loader, eval_loader, names
 
@@ -189,13 +199,9 @@ def main(argv=None) -> dict:
         return {"accuracy": (logits.argmax(-1) == labels).float(),
                 "loss": F.cross_entropy(logits.float(), labels, reduction="none")}
 
-    config = TrainConfig(
-        output_dir=cfg["out"], steps=steps, lr=cfg["lr"], min_lr_ratio=cfg["min_lr_ratio"],
-        warmup_steps=every(cfg["warmup_epochs"]), weight_decay=cfg["weight_decay"], clip_norm=cfg["clip_norm"],
-        compile=cfg["compile"], eval_every=every(cfg["eval_every_epochs"]),
-        checkpoint_every=every(cfg["checkpoint_every_epochs"]), seed=cfg["seed"], run_name=f"vit-{cfg['preset']}",
-        progress=cfg["progress"],
-    )
+    config = train_config(cfg, steps=steps, warmup_steps=every(cfg["warmup_epochs"]),
+                          eval_every=every(cfg["eval_every_epochs"]),
+                          checkpoint_every=every(cfg["checkpoint_every_epochs"]), run_name=f"vit-{cfg['preset']}")
     export = {"builder": "omni.vision:build_image_classifier", "trunk": trunk.to_dict(), "n_classes": n_classes,
               "pool": cfg["pool"], "class_names": list(class_names)}
     trainer = Trainer(model, loss_fn, train_data, config, eval_data=eval_data, eval_fn=eval_fn,
@@ -213,4 +219,4 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    sys.exit(0 if main() is not None else 1)
+    run_recipe(main)

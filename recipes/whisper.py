@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 import time
 import warnings
 from pathlib import Path
@@ -31,27 +30,40 @@ from typing import Any
 
 import torch
 
-from omni.config import recipe_config, recipe_parser
+from omni.config import (POSITIVE, Key, at_least, check_corpus, keywords_of, one_of, recipe_config,
+                          recipe_parser, run_recipe, train_config)
+from omni.data.builders_speech import build_speech_synth
 from omni.data.reader import ShardLoader
 from omni.data.shards import read_manifest
+from omni.deps import require
 from omni.speech import (SpeechCollate, SpeechLoss, SpeechRecognizer, ctc_greedy_decode, error_counts,
                          greedy_decode, speech_example)
 from omni.tokenizers.audio import AudioTokenizer
 from omni.tokenizers.text import TextTokenizer
-from omni.train import TrainConfig, Trainer, process_state, unwrap
+from omni.train import Trainer, process_state, unwrap
 from omni.trunk import preset
 
 # ---------------------------------------------------------------------------------------------------
 # Config. Every entry can be overridden with --set key=value.
 
 COMMON = dict(
-    data="data/speech-synth", build=dict(train=20000, test=500), out="runs/whisper",
-    trunk="whisper-base", trunk_overrides={}, bpe_vocab=None, max_seconds=30.0,
-    ctc_weight=0.3,  # hybrid CTC/attention: weight of the encoder's CTC loss (0: decoder loss only, no CTC head)
-    audio_positions="none",  # "sinusoidal": Whisper's absolute positions added to the audio embeddings
+    data="data/speech-synth", out="runs/whisper",
+    build=Key(dict(train=20000, test=500), (dict, None), keywords_of(build_speech_synth),
+              help="build_speech_synth arguments for `data` when it is missing (None: never build)"),
+    text=None,  # the corpus the synthetic speech reads (build only)
+    trunk="whisper-base", trunk_overrides={},
+    bpe_vocab=Key(None, (int, None), at_least(256), "None: the shipped tokenizers/bpe-8k; N: fit an N-token BPE "
+                                                    "on the training transcripts"),
+    max_seconds=Key(30.0, check=POSITIVE, help="longest clip (longer ones are dropped)"),
+    ctc_weight=Key(0.3, check=at_least(0), help="hybrid CTC/attention: weight of the encoder's CTC loss "
+                                                 "(0: decoder loss only, no CTC head)"),
+    audio_positions=Key("none", check=one_of("none", "sinusoidal"),
+                        help="'sinusoidal': Whisper's absolute positions added to the audio embeddings"),
     batch_size=64, steps=6000, lr=1e-3, min_lr_ratio=0.02, warmup_steps=500, weight_decay=0.05, clip_norm=1.0,
-    workers=8, compile=False, eval_every=1000, checkpoint_every=1000, limit_eval=None, eval_batch_size=64,
-    max_new_tokens=224, seed=0, progress=True, log_every=10,
+    workers=8, compile=False, eval_every=1000, checkpoint_every=1000,
+    limit_eval=Key(None, help="greedy-decode (for WER / CER) only the first N samples of each evaluation"),
+    eval_batch_size=64, max_new_tokens=Key(224, check=at_least(1), help="longest decoded transcript (tokens)"),
+    seed=0, progress=True, log_every=10, max_corrupt_fraction=0.01, resume="auto",
 )
 PRESETS: dict[str, dict] = {
     # CPU smoke test: a few steps of a tiny trunk on a few dozen synthesised utterances.
@@ -68,14 +80,9 @@ PRESETS: dict[str, dict] = {
 
 
 def parse_args(argv=None) -> dict:
-    ap = recipe_parser(__doc__, PRESETS, "base on CUDA, tiny otherwise",
+    ap = recipe_parser(__doc__, COMMON, PRESETS, "base on CUDA, tiny otherwise",
                        data_help="dataset directory (manifest.json + shards with audio + .txt)")
-    args = ap.parse_args(argv)
-    updates = {"data": args.data, "build": None} if args.data else {}
-    if args.out:
-        updates["out"] = args.out
-    cfg = recipe_config(ap, args, COMMON, PRESETS, "base" if torch.cuda.is_available() else "tiny", updates)
-    return cfg
+    return recipe_config(ap, ap.parse_args(argv), COMMON, PRESETS, "base" if torch.cuda.is_available() else "tiny")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -113,19 +120,20 @@ def ensure_data(cfg: dict, rank: int, world: int) -> Path:
             raise FileNotFoundError(f"{data}/manifest.json not found: build the dataset with "
                                     "`omni data speech-synth` or `omni data librispeech`")
         if rank == 0:
-            from omni.data.builders_speech import build_speech_synth
-
+            build = {"text": cfg["text"], "seed": cfg["seed"], **cfg["build"]}
+            require("espeakng_loader")
+            check_corpus(build["text"])
             print(f"synthesising speech shards in {data} ...", flush=True)
-            build_speech_synth(data, **cfg["build"], seed=cfg["seed"])
+            build_speech_synth(data, **build)
         if world > 1:
             torch.distributed.barrier()
     return data
 
 
-def read_transcripts(data: Path, split: str) -> list[str]:
+def read_transcripts(data: Path, split: str, max_corrupt_fraction: float) -> list[str]:
     """Every transcript of a split (for fitting the BPE), read with the same loader on one process."""
     loader = ShardLoader(data, _transcript, list, batch_size=1024, split=split, rank=0, world_size=1,
-                         shuffle=False, fields=("txt",))
+                         shuffle=False, fields=("txt",), max_corrupt_fraction=max_corrupt_fraction)
     return [t for batch in loader for t in batch][: loader.num_samples]
 
 
@@ -138,11 +146,55 @@ def make_text_tokenizer(cfg: dict, data: Path, rank: int, world: int) -> TextTok
         return TextTokenizer()
     path = Path(cfg["out"]) / "tokenizers" / "text"
     if rank == 0 and not (path / "tokenizer.json").is_file():
-        tok = TextTokenizer().fit(read_transcripts(data, "train"), vocab_size=int(cfg["bpe_vocab"]))
+        tok = TextTokenizer().fit(read_transcripts(data, "train", cfg["max_corrupt_fraction"]), vocab_size=int(cfg["bpe_vocab"]))
         tok.save(path)
     if world > 1:
         torch.distributed.barrier()
     return TextTokenizer.load(path)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Evaluation
+
+
+class Scorer:
+    """The Trainer's evaluation: ``eval_fn`` gives each sample's loss and greedy-decodes the first ``limit``
+    samples of the pass (None: all), adding up word and character edits; ``metrics`` (the model_metrics_fn,
+    run after the pass) turns every rank's sums into corpus WER and CER (with a CTC head also its best-path
+    CER: what the encoder alone hears) and the number of reference words scored, then starts over."""
+
+    def __init__(self, text: TextTokenizer, limit: int | None, max_new_tokens: int) -> None:
+        self.text, self.limit, self.max_new_tokens = text, limit, max_new_tokens
+        self.sums, self.samples = torch.zeros(5, dtype=torch.float64), 0  # word edits, words, char edits, chars, CTC
+
+    def eval_fn(self, model, batch) -> dict[str, torch.Tensor]:
+        m = unwrap(model)
+        ctc = m.ctc_head is not None
+        logits, ctc_logits = m(batch.audio, batch.audio_mask, batch.text, ctc=True) if ctc else \
+            (m(batch.audio, batch.audio_mask, batch.text), None)
+        keep = batch.targets != -100
+        nll = torch.nn.functional.cross_entropy(logits.float().transpose(1, 2), batch.targets, reduction="none")
+        if self.limit is None or self.samples < self.limit:
+            memory = m.encode(batch.audio, batch.audio_mask)
+            ids = greedy_decode(m, memory, batch.audio_mask, max_new_tokens=self.max_new_tokens, check_every=8)
+            refs = [self.text.decode(ref) for ref in batch.text.tolist()]
+            heard = ctc_greedy_decode(ctc_logits, batch.audio_mask) if ctc else refs
+            for ref, row, hyp in zip(refs, ids, heard):
+                counts = error_counts(ref, self.text.decode(row))
+                self.sums += torch.tensor([*counts, error_counts(ref, hyp)[2]], dtype=torch.float64)
+            self.samples += len(refs)
+        return {"loss": (nll * keep).sum(1) / keep.sum(1)}
+
+    def metrics(self, model, step: int) -> dict[str, float]:
+        sums, self.sums, self.samples = self.sums, torch.zeros_like(self.sums), 0
+        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:  # every rank is here
+            sums = sums.to(next(unwrap(model).parameters()).device)
+            torch.distributed.all_reduce(sums)
+        word_edits, words, char_edits, chars, ctc_edits = sums.tolist()
+        if not chars:
+            return {}
+        out = {"wer": word_edits / max(words, 1.0), "cer": char_edits / chars, "words": words}
+        return {**out, "ctc_cer": ctc_edits / chars} if unwrap(model).ctc_head is not None else out
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -160,61 +212,25 @@ def main(argv=None) -> dict:
     decode = DecodeSpeech(audio, text)
     collate = SpeechCollate(text.pad_id)
     workers = cfg["workers"] if state.device.type == "cuda" else min(cfg["workers"], 2)
-    train_data = ShardLoader(data, decode, collate, cfg["batch_size"], split="train", rank=rank, world_size=world,
-                             shuffle=True, seed=cfg["seed"], num_workers=workers, drop_last=True)
+    loader = dict(num_workers=workers, rank=rank, world_size=world, max_corrupt_fraction=cfg["max_corrupt_fraction"])
+    train_data = ShardLoader(data, decode, collate, cfg["batch_size"], split="train", shuffle=True, seed=cfg["seed"],
+                             drop_last=True, **loader)
     eval_data = None
     if eval_split is not None:
-        eval_data = ShardLoader(data, decode, collate, cfg["eval_batch_size"], split=eval_split, rank=rank,
-                                world_size=world, shuffle=False, num_workers=workers)
+        eval_data = ShardLoader(data, decode, collate, cfg["eval_batch_size"], split=eval_split, shuffle=False,
+                                **loader)
 
     encoder = preset(cfg["trunk"], **cfg["trunk_overrides"])
     decoder = preset(cfg["trunk"], cross_attention=True, **cfg["trunk_overrides"])
     torch.manual_seed(cfg["seed"])
     model = SpeechRecognizer(audio, text, encoder, decoder, ctc=cfg["ctc_weight"] > 0,
                              audio_positions=cfg["audio_positions"])
-    # limit_eval: greedy-decode (for WER/CER) only the first limit_eval samples of each evaluation pass
-    eval_batches = len(eval_data) if eval_data is not None else 1
-    calls = {"n": 0}
-
-    def eval_fn(model, batch):
-        """Per-sample loss and (greedy-decoded) word/char edit counts: corpus WER = mean(word_edits) /
-        mean(words), since every metric is averaged over the same samples. With a CTC head also the char edits
-        of its best path (ctc_char_edits: what the encoder alone hears)."""
-        m = unwrap(model)
-        ctc_logits = None
-        if m.ctc_head is not None:
-            logits, ctc_logits = m(batch.audio, batch.audio_mask, batch.text, ctc=True)
-        else:
-            logits = m(batch.audio, batch.audio_mask, batch.text)
-        keep = batch.targets != -100
-        nll = torch.nn.functional.cross_entropy(logits.float().transpose(1, 2), batch.targets, reduction="none")
-        loss = (nll * keep).sum(1) / keep.sum(1)
-        out = {"loss": loss}
-        position = calls["n"] % eval_batches  # batch index within the current pass
-        calls["n"] += 1
-        if cfg["limit_eval"] is None or position * cfg["eval_batch_size"] < cfg["limit_eval"]:
-            memory = m.encode(batch.audio, batch.audio_mask)
-            ids = greedy_decode(m, memory, batch.audio_mask, max_new_tokens=cfg["max_new_tokens"], check_every=8)
-            refs = [text.decode(ref) for ref in batch.text.tolist()]
-            counts = [error_counts(ref, text.decode(row)) for row, ref in zip(ids, refs)]
-            c = torch.tensor(counts, dtype=torch.float32, device=loss.device)
-            out.update(word_edits=c[:, 0], words=c[:, 1], char_edits=c[:, 2], chars=c[:, 3])
-            if ctc_logits is not None:
-                heard = ctc_greedy_decode(ctc_logits, batch.audio_mask)
-                out["ctc_char_edits"] = torch.tensor([error_counts(ref, hyp)[2] for ref, hyp in zip(refs, heard)],
-                                                     dtype=torch.float32, device=loss.device)
-        return out
-
-    config = TrainConfig(
-        output_dir=cfg["out"], steps=cfg["steps"], lr=cfg["lr"], min_lr_ratio=cfg["min_lr_ratio"],
-        warmup_steps=cfg["warmup_steps"], weight_decay=cfg["weight_decay"], clip_norm=cfg["clip_norm"],
-        compile=cfg["compile"], eval_every=cfg["eval_every"], checkpoint_every=cfg["checkpoint_every"],
-        seed=cfg["seed"], run_name=f"whisper-{cfg['preset']}", progress=cfg["progress"], log_every=cfg["log_every"],
-    )
+    scorer = Scorer(text, cfg["limit_eval"], cfg["max_new_tokens"])
+    config = train_config(cfg, run_name=f"whisper-{cfg['preset']}")
     export = {"builder": "omni.speech:build_speech_recognizer", "encoder": encoder.to_dict(),
               "decoder": decoder.to_dict(), "ctc": cfg["ctc_weight"] > 0, "audio_positions": cfg["audio_positions"]}
-    trainer = Trainer(model, SpeechLoss(cfg["ctc_weight"]), train_data, config, eval_data=eval_data, eval_fn=eval_fn,
-                      hparams=cfg, export_config=export, export_tokenizers={"audio": audio, "text": text})
+    trainer = Trainer(model, SpeechLoss(cfg["ctc_weight"]), train_data, config, eval_data=eval_data,
+                      eval_fn=scorer.eval_fn, model_metrics_fn=scorer.metrics, hparams=cfg, export_config=export, export_tokenizers={"audio": audio, "text": text})
     if state.is_main_process:
         n_params = sum(p.numel() for p in unwrap(trainer.model).parameters())
         print(f"Whisper preset {cfg['preset']}: {n_params / 1e6:.2f}M parameters, {cfg['steps']} steps "
@@ -222,11 +238,6 @@ def main(argv=None) -> dict:
     start = time.time()
     metrics = trainer.fit()
     if state.is_main_process:
-        if "eval/words" in metrics:
-            metrics["eval/wer"] = metrics["eval/word_edits"] / max(metrics["eval/words"], 1e-12)
-            metrics["eval/cer"] = metrics["eval/char_edits"] / max(metrics["eval/chars"], 1e-12)
-            if "eval/ctc_char_edits" in metrics:
-                metrics["eval/ctc_cer"] = metrics["eval/ctc_char_edits"] / max(metrics["eval/chars"], 1e-12)
         result = {"seconds": round(time.time() - start, 1), **{k: v for k, v in metrics.items()
                                                                if isinstance(v, (int, float))}}
         Path(cfg["out"]).mkdir(parents=True, exist_ok=True)
@@ -238,4 +249,4 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    sys.exit(0 if main() is not None else 1)
+    run_recipe(main)
