@@ -187,6 +187,11 @@ def _check_rate(rate: Any, key: str) -> int:
     return int(rate)
 
 
+def _reason(exc: Exception) -> str:
+    # libsndfile's own words, without soundfile's "Error opening <_io.BytesIO object at 0x...>: "
+    return str(getattr(exc, "error_string", None) or exc)
+
+
 def _decode_bytes(data: bytes | bytearray | memoryview, key: str) -> tuple[np.ndarray, int]:
     if len(data) == 0:
         raise ValueError(f"{_where(key)}: got 0 bytes; expected an encoded audio file ({SUPPORTED_FORMATS})")
@@ -196,7 +201,7 @@ def _decode_bytes(data: bytes | bytearray | memoryview, key: str) -> tuple[np.nd
         array, rate = sf.read(io.BytesIO(bytes(data)), dtype="float32", always_2d=True)
     except Exception as exc:  # libsndfile reports bad data as RuntimeError, TypeError or ValueError
         raise ValueError(
-            f"{_where(key)}: could not decode {len(data)} bytes as audio ({exc}); "
+            f"{_where(key)}: could not decode {len(data)} bytes as audio ({_reason(exc)}); "
             f"supported formats: {SUPPORTED_FORMATS}"
         ) from exc
     return array, int(rate)
@@ -218,7 +223,7 @@ def _decode_path(path: str | os.PathLike, key: str) -> tuple[np.ndarray, int]:
             array, rate = sf.read(fh, dtype="float32", always_2d=True)
     except Exception as exc:  # see _decode_bytes
         raise ValueError(
-            f"{_where(key)}: could not decode {os.fspath(path)!r} as audio ({exc}); "
+            f"{_where(key)}: could not decode {os.fspath(path)!r} as audio ({_reason(exc)}); "
             f"supported formats: {SUPPORTED_FORMATS}"
         ) from exc
     return array, int(rate)

@@ -178,10 +178,14 @@ def _check_mode(path: str | os.PathLike, mode: int) -> None:
         raise NotARegularFileError(path, next((name for test, name in _FILE_KINDS if test(mode)), "a special file"))
 
 
-def check_regular_file(path: str | os.PathLike) -> os.stat_result:
-    """``os.stat(path)`` if ``path`` is a regular file (symlinks followed); NotARegularFileError (a ValueError
-    naming what it is: directory, FIFO, device, socket) if not; OSError (FileNotFoundError ...) from stat."""
-    st = os.stat(path)
+def check_regular_file(path: str | os.PathLike, what: str = "file") -> os.stat_result:
+    """``os.stat(path)`` if ``path`` is a regular file (symlinks followed). Raises FileNotFoundError
+    "<path>: no such <what>", NotARegularFileError (a ValueError naming what it is: directory, FIFO, device,
+    socket) or the OSError of ``os.stat``."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError as exc:
+        raise FileNotFoundError(f"{os.fspath(path)}: no such {what}") from exc
     _check_mode(path, st.st_mode)
     return st
 

@@ -209,7 +209,10 @@ def _decode_bytes(data: bytes, key: str) -> Tensor:
             img = ImageOps.exif_transpose(img)
     except (UnidentifiedImageError, OSError, SyntaxError, ValueError, EOFError, Image.DecompressionBombError) as exc:
         # SyntaxError/EOFError: raised by some PIL plugins on corrupt headers
-        raise ValueError(f"{_name(key)}: could not decode {len(data)} bytes as an image: {exc}") from exc
+        # PIL names an unknown format's source "<_io.BytesIO object at 0x...>": say what it means instead
+        unknown = isinstance(exc, UnidentifiedImageError)
+        reason = "not an image format PIL reads (PNG, JPEG, GIF, BMP, TIFF, WebP ...)" if unknown else str(exc)
+        raise ValueError(f"{_name(key)}: could not decode {len(data)} bytes as an image: {reason}") from exc
     return _from_pil(img, key)
 
 
@@ -238,10 +241,13 @@ def to_image_tensor(raw: Any, *, key: str = "") -> Tensor:
         try:
             with open_regular_file(raw) as fh:  # a FIFO or device would block open() or read() forever
                 data = fh.read()
+        except FileNotFoundError as exc:
+            raise ValueError(f"{_name(key)}: cannot read image file {os.fspath(raw)!r}: no such file") from exc
         except NotARegularFileError as exc:
             raise ValueError(f"{_name(key)}: {exc.path!r} is {exc.kind}, not an image file") from exc
         except OSError as exc:
-            raise ValueError(f"{_name(key)}: cannot read image file {os.fspath(raw)!r}: {exc.strerror or exc}") from exc
+            reason = exc.strerror or str(exc)
+            raise ValueError(f"{_name(key)}: cannot read image file {os.fspath(raw)!r}: {reason}") from exc
         x = _decode_bytes(data, key)
     elif type(raw).__module__.startswith("PIL.") and hasattr(raw, "mode"):
         x = _from_pil(raw, key)
