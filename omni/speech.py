@@ -36,7 +36,6 @@ import os
 import re
 import unicodedata
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Hashable, Sequence
 
 import torch
@@ -46,6 +45,7 @@ from torch import Tensor, nn
 
 from omni.heads import LMHead
 from omni.tokenizers.audio import AudioTokenizer, load_audio
+from omni.tokenizers.base import check_regular_file
 from omni.tokenizers.text import IGNORE_INDEX, TextTokenizer
 from omni.trunk import KVCache, Trunk, TrunkConfig
 
@@ -728,22 +728,21 @@ def split_windows(wave: Tensor, sample_rate: int, window_seconds: float = 30.0, 
 def read_audio_file(path: str | os.PathLike, sample_rate: int = 16000) -> Tensor:
     """Mono float waveform at ``sample_rate`` of any file libsndfile reads (WAV, FLAC, MP3, OGG ...), any
     rate and channel count. Raises FileNotFoundError / ValueError naming the file for a missing, empty
-    (0 bytes or 0 samples), undecodable or silent (peak below -80 dBFS) file."""
-    p = Path(path)
-    if not p.is_file():
-        raise FileNotFoundError(f"{p}: no such audio file")
-    if p.stat().st_size == 0:
-        raise ValueError(f"{p}: the file is empty (0 bytes)")
+    (0 bytes or 0 samples), undecodable or silent (peak below -80 dBFS) file, and for a path that is not a
+    regular file (a directory, FIFO, device or socket: refused before opening, which could block)."""
+    name = os.fspath(path)
+    if check_regular_file(path, "audio file").st_size == 0:
+        raise ValueError(f"{name}: the file is empty (0 bytes)")
     try:
-        wave = load_audio(str(p), sample_rate=sample_rate, key=str(p))
+        wave = load_audio(name, sample_rate=sample_rate, key=name)
     except (ValueError, TypeError) as exc:
-        msg = str(exc)
+        msg = str(exc).removeprefix(f"audio sample {name!r}: ")  # the file is named once, first
         if "audio is empty" in msg:
-            raise ValueError(f"{p}: the audio has no samples") from exc
-        raise ValueError(f"{p}: cannot decode as audio ({msg})") from exc
+            raise ValueError(f"{name}: the audio has no samples") from exc
+        raise ValueError(f"{name}: cannot decode as audio ({msg})") from exc
     peak = float(wave.abs().max())
     if peak < SILENCE_PEAK:
-        raise ValueError(f"{p}: the audio is silent (peak amplitude {peak:.2e} < {SILENCE_PEAK:g}); nothing to transcribe")
+        raise ValueError(f"{name}: the audio is silent (peak amplitude {peak:.2e} < {SILENCE_PEAK:g}); nothing to transcribe")
     return wave
 
 
@@ -791,16 +790,78 @@ def load_recognizer(checkpoint: str | os.PathLike, device: str | torch.device | 
     return model, toks["audio"], toks["text"]
 
 
+def speech_task(config: dict[str, Any]) -> str | None:
+    """The task (= LM head) of a multitask export (builder "omni", recipes/multimodal.py) that transcribes speech:
+    its one transcribe task, or among several the one named "asr"; None when it has none or lacks the audio
+    and text tokenizers."""
+    if not {"audio", "text"} <= set(config.get("tokenizers", [])):
+        return None
+    heads = config.get("heads", {})
+    names = [name for name, task in config.get("tasks", {}).items()
+             if task.get("kind") == TASK and heads.get(name, {}).get("type") == "lm"]
+    if len(names) > 1 and "asr" not in names:
+        raise ValueError(f"the export has transcribe tasks {', '.join(names)} and none is named 'asr': "
+                         "which one to decode is not recorded")
+    return names[0] if len(names) == 1 else "asr" if names else None
+
+
+def _recognizer(checkpoint: str | os.PathLike, device: str | torch.device | None
+                ) -> tuple[Any, AudioTokenizer, TextTokenizer]:
+    """``load_recognizer``, or for a multitask export (recipes/multimodal.py) its transcribe task as a prefix-LM
+    behind the decoding interface (``omni.multitask.PrefixLMTranscriber``) that ``transcribe_waveforms`` drives."""
+    from omni.export import load_config, load_pretrained, load_tokenizers
+
+    config = load_config(checkpoint)
+    if config.get("builder") != "omni":
+        return load_recognizer(checkpoint, device)
+    task = speech_task(config)
+    if task is None:
+        raise ValueError(f"{checkpoint}: the multitask export has no speech recognition (transcribe) task")
+    from types import SimpleNamespace
+
+    from omni.multitask import PrefixLMTranscriber
+
+    model = load_pretrained(checkpoint, device=device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    toks = load_tokenizers(checkpoint)
+    # PrefixLMTranscriber reads only these attributes of its TranscribeTask (whose clips are training data)
+    spec = SimpleNamespace(name=task, audio=toks["audio"], text=toks["text"], task_token=TASK)
+    decoder = PrefixLMTranscriber(model, spec)  # type: ignore[arg-type]
+    decoder.parameters = model.parameters  # type: ignore[attr-defined]  # transcribe_waveforms: the device
+    return decoder, toks["audio"], toks["text"]
+
+
 def transcribe_files(checkpoint: str | os.PathLike, files: Sequence[str | os.PathLike], *, beam_size: int = 1,
                      length_penalty: float = 1.0, batch_size: int = 16, device: str | None = None,
-                     max_new_tokens: int = 224) -> list[str]:
-    """Transcribe audio files (WAV, FLAC, MP3, OGG ...; any rate, channels, length) with an exported model.
-    Every file is read and checked first, so a bad file fails before any decoding, naming the file."""
-    model, audio_tok, text_tok = load_recognizer(checkpoint, device)
-    waves = [read_audio_file(f, audio_tok.sample_rate) for f in files]
-    return transcribe_waveforms(model, audio_tok, text_tok, waves, keys=[str(f) for f in files],
-                                batch_size=batch_size, beam_size=beam_size, length_penalty=length_penalty,
-                                max_new_tokens=max_new_tokens)
+                     max_new_tokens: int = 224, return_exceptions: bool = False) -> list[str | Exception]:
+    """Transcribe audio files (WAV, FLAC, MP3, OGG ...; any rate, channels, length) with a speech recognition
+    export (recipes/whisper.py) or the transcribe task of a multitask export (recipes/multimodal.py).
+    Every file is read and checked first, so a bad file fails before any decoding, naming the file; with
+    ``return_exceptions`` its exception takes its place in the result instead and the other files are
+    transcribed (the export's own errors raise either way)."""
+    for option, value in (("beam_size", beam_size), ("batch_size", batch_size), ("max_new_tokens", max_new_tokens)):
+        if value < 1:
+            raise ValueError(f"{option} must be >= 1, got {value}")
+    if not math.isfinite(length_penalty):
+        raise ValueError(f"length_penalty must be a finite number, got {length_penalty}")
+    model, audio_tok, text_tok = _recognizer(checkpoint, device)
+    results: list[str | Exception] = []
+    waves: dict[int, Tensor] = {}
+    for i, f in enumerate(files):
+        try:
+            waves[i] = read_audio_file(f, audio_tok.sample_rate)
+            results.append("")
+        except (OSError, ValueError) as exc:
+            if not return_exceptions:
+                raise
+            results.append(exc)
+    if waves:
+        texts = transcribe_waveforms(model, audio_tok, text_tok, list(waves.values()),
+                                     keys=[os.fspath(files[i]) for i in waves], batch_size=batch_size,
+                                     beam_size=beam_size, length_penalty=length_penalty,
+                                     max_new_tokens=max_new_tokens)
+        for i, text in zip(waves, texts):
+            results[i] = text
+    return results
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -8,8 +8,9 @@ friendly) and tokenizer Segments of any image size on the prediction path; both 
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -17,6 +18,8 @@ from torch import Tensor, nn
 
 from omni.export import load_pretrained, load_tokenizers
 from omni.heads import ClassificationHead
+from omni.segment import Sample, Segment
+from omni.tokenizers.base import check_regular_file
 from omni.tokenizers.image import ImageTokenizer, grid_positions, patchify
 from omni.trunk import Trunk, TrunkConfig
 
@@ -136,29 +139,84 @@ def mixup_cutmix(images: Tensor, labels: Tensor, n_classes: int, alpha: float, c
 # Prediction (omni predict)
 
 
-@torch.no_grad()
-def predict_files(checkpoint: str | Path, files: Sequence[str | Path], top_k: int = 5,
-                  device: str | None = None) -> list[list[tuple[str, float]]]:
-    """Top-k (class name, probability) for each image file of any size, mode and format."""
-    model = load_pretrained(checkpoint)
-    tokenizer: ImageTokenizer = load_tokenizers(checkpoint)["image"]
+def image_task(config: dict[str, Any]) -> str | None:
+    """The task (= head) of a multitask export (builder "omni", recipes/multimodal.py) that classifies images: its
+    one classification task, or among several the one named "image"; None when it has none or no image tokenizer."""
+    if "image" not in config.get("tokenizers", []):
+        return None
+    heads = config.get("heads", {})
+    names = [name for name, task in config.get("tasks", {}).items()
+             if task.get("kind") == "classify" and heads.get(name, {}).get("type") == "classification"]
+    if len(names) > 1 and "image" not in names:
+        raise ValueError(f"the export has classification tasks {', '.join(names)} and none is named 'image': "
+                         "which one classifies images is not recorded")
+    return names[0] if len(names) == 1 else "image" if names else None
+
+
+def _image_classifier(checkpoint: str | Path, device: str
+                      ) -> tuple[Callable[[Segment], Tensor], ImageTokenizer, list[str]]:
+    """(image segment -> logits (classes,), image tokenizer, class names) of an ImageClassifier export
+    (recipes/vit.py) or of the image task of a multitask export (recipes/multimodal.py)."""
     from omni.export import load_config
 
-    names = load_config(checkpoint).get("class_names") or [str(i) for i in range(model.head.proj.out_features)]
+    config = load_config(checkpoint)
+    builder = config.get("builder")
+    task = image_task(config) if builder == "omni" else None
+    if builder == "omni" and task is None:
+        raise ValueError(f"{checkpoint}: the multitask export has no image classification task")
+    model = load_pretrained(checkpoint, device=device)
+    tokenizer = load_tokenizers(checkpoint).get("image")
+    if task is not None:
+        from omni.packing import Packer
+
+        def classify(seg: Segment) -> Tensor:  # the image alone, packed as in training
+            batch = Packer()([Sample([seg], key="predict")]).to(device)
+            return model.heads[task](model(batch), batch, "image")[0]
+
+        n_classes = int(config["heads"][task]["n_classes"])
+    elif isinstance(model, ImageClassifier) and tokenizer is not None:
+        def classify(seg: Segment) -> Tensor:
+            return model.forward_tokens(seg.tokens[None].to(device), seg.positions_2d[None].to(device))[0]
+
+        n_classes = model.head.proj.out_features
+    else:
+        raise ValueError(f"{checkpoint}: not an image classifier export (its builder {builder!r} "
+                         f"makes a {type(model).__name__})")
+    return classify, tokenizer, config.get("class_names") or [str(i) for i in range(n_classes)]
+
+
+def _encode_file(tokenizer: ImageTokenizer, path: str | Path) -> Segment:
+    """One image file -> Segment; FileNotFoundError / ValueError messages start with the path."""
+    name = os.fspath(path)
+    check_regular_file(path, "image file")  # a missing file, a directory, FIFO, device: named for what it is
+    try:
+        return tokenizer.encode(path, key=name)
+    except (ValueError, TypeError) as exc:
+        reason = str(exc).removeprefix(f"image {name!r}: ")  # the path is named once, first
+        raise ValueError(f"{name}: cannot read as an image: {reason}") from exc
+
+
+@torch.no_grad()
+def predict_files(checkpoint: str | Path, files: Sequence[str | Path], top_k: int = 5, device: str | None = None,
+                  *, return_exceptions: bool = False) -> list[list[tuple[str, float]] | Exception]:
+    """Top-k (class name, probability) for each image file of any size, mode and format, by an image classifier
+    export (recipes/vit.py) or the image task of a multitask export (recipes/multimodal.py). A file that cannot
+    be read raises FileNotFoundError / ValueError naming it, or with ``return_exceptions`` that exception takes
+    its place in the result (the export's own errors raise either way)."""
+    if top_k < 1:
+        raise ValueError(f"top_k must be >= 1, got {top_k}")
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    model.to(device).eval()
-    results = []
+    classify, tokenizer, names = _image_classifier(checkpoint, device)
+    results: list[list[tuple[str, float]] | Exception] = []
     for f in files:
-        path = Path(f)
-        if not path.is_file():
-            raise FileNotFoundError(f"{path}: no such image file")
         try:
-            seg = tokenizer.encode(path.read_bytes(), key=str(path))
-        except (ValueError, TypeError) as exc:
-            raise ValueError(f"{path}: cannot read as an image ({exc})") from exc
-        logits = model.forward_tokens(seg.tokens[None].to(device), seg.positions_2d[None].to(device))
-        probs = logits.float().softmax(-1)[0]
-        k = min(top_k, probs.numel())
-        top = probs.topk(k)
+            seg = _encode_file(tokenizer, f)
+        except (OSError, ValueError) as exc:
+            if not return_exceptions:
+                raise
+            results.append(exc)
+            continue
+        probs = classify(seg).float().softmax(-1)
+        top = probs.topk(min(top_k, probs.numel()))
         results.append([(names[i], float(p)) for p, i in zip(top.values.tolist(), top.indices.tolist())])
     return results
