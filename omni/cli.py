@@ -1,10 +1,199 @@
-"""The `omni` command line: dataset builders, tokenizer fitting, inference entry points."""
+"""The `omni` command line: dataset builders, tokenizer fitting, inference entry points.
+
+Exit status: 0 success; 1 some input files could not be read (the others are reported; each bad file is named
+on stderr with its reason); 2 a usage error, said in one line (a bad option, a missing, unreadable or wrong
+kind of export), or no input file could be read.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
+import math
 import sys
-from typing import Sequence
+from pathlib import Path
+from typing import Any, Callable, NoReturn, Sequence
+
+# Builders of the recipes' exports: what they make and which command reads it.
+_KNOWN_BUILDERS = {
+    "omni.vision:build_image_classifier": ("an image classifier", "recipes/vit.py", "predict"),
+    "omni.speech:build_speech_recognizer": ("a speech recognizer", "recipes/whisper.py", "transcribe"),
+    "omni.rl:build_decision_transformer": ("a decision transformer", "recipes/decision_transformer.py", None),
+}
+
+
+class UsageError(Exception):
+    """A mistake of the caller (options, paths, the export given): one line on stderr, exit status 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line usage errors: "omni predict: error: ... (see omni predict --help)", status 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("omni")
+    except PackageNotFoundError:  # a source tree that is not installed
+        import omni
+
+        return getattr(omni, "__version__", "unknown")
+
+
+# -- option types: bad values stop at argument parsing ------------------------------------------------------
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _finite_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid float value: {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
+    return value
+
+
+def _device(text: str) -> str:
+    """A torch device string that exists on this machine (else the model would fail after loading)."""
+    import torch
+
+    try:
+        device = torch.device(text)
+    except (RuntimeError, ValueError):
+        raise argparse.ArgumentTypeError(f"unknown device {text!r} (expected cpu, cuda, cuda:N, mps ...)") from None
+    if device.type == "cpu":
+        return text
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
+            raise argparse.ArgumentTypeError(f"{text!r}: no CUDA GPU is available (torch {torch.__version__}, {build})")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise argparse.ArgumentTypeError(f"{text!r}: this machine has {torch.cuda.device_count()} CUDA GPU(s)")
+        return text
+    available = torch.backends.mps.is_available if device.type == "mps" else \
+        getattr(getattr(torch, device.type, None), "is_available", None)
+    if available is None or not available():
+        raise argparse.ArgumentTypeError(f"device {text!r} is not available on this machine")
+    return text
+
+
+# -- exports ------------------------------------------------------------------------------------------------
+def _fits(config: dict[str, Any]) -> tuple[str, list[str]]:
+    """(what the export is, naming its builder; the commands that read it)."""
+    builder = config.get("builder")
+    if builder in _KNOWN_BUILDERS:
+        what, recipe, command = _KNOWN_BUILDERS[builder]
+        return f"{what} export (builder {builder!r}, {recipe})", [command] if command else []
+    if builder != "omni":
+        return (f"an export of builder {builder!r}" if builder else "an export that names no builder"), []
+    from omni.speech import speech_task
+    from omni.vision import image_task
+
+    commands = []
+    for command, finds in (("predict", image_task), ("transcribe", speech_task)):
+        try:
+            if finds(config) is not None:
+                commands.append(command)
+        except ValueError:  # several candidate tasks: the command itself says so
+            commands.append(command)
+    tasks = ", ".join(f"{name} ({task.get('kind')})" for name, task in config.get("tasks", {}).items())
+    return f"a multitask export (builder 'omni', recipes/multimodal.py{'; tasks ' + tasks if tasks else ''})", commands
+
+
+def _check_export(command: str, checkpoint: str | Path) -> None:
+    """Refuse an export that ``omni <command>`` cannot read, naming its builder and the command that fits."""
+    from omni.export import load_config
+
+    what, commands = _fits(load_config(checkpoint))
+    if command not in commands:
+        use = f"use `omni {commands[0]}`" if commands else "neither `omni predict` nor `omni transcribe` reads it"
+        raise UsageError(f"{checkpoint} is {what}, which `omni {command}` does not read: {use}")
+
+
+def _export_errors() -> tuple[type[BaseException], ...]:
+    """What reading a missing, truncated or unreadable export raises."""
+    from safetensors import SafetensorError
+
+    return OSError, ValueError, KeyError, SafetensorError
+
+
+def _one_line(exc: BaseException) -> str:
+    text = exc.args[0] if isinstance(exc, KeyError) and exc.args else str(exc)  # str(KeyError) adds quotes
+    return " ".join(str(text).split()) or type(exc).__name__
+
+
+# -- predict / transcribe: one result per file ----------------------------------------------------------------
+def _run_on_files(args: argparse.Namespace, files: Sequence[str], run: Callable[[Path], list[Any]],
+                  text: Callable[[Any], str], entry: Callable[[Any], dict[str, Any]]) -> int:
+    """Check the export, ``run(checkpoint)`` (one result or exception per file), print the good files (txt: one
+    "file: text" line each; json: one list of {"file", ...} objects, bad files {"file", "error"}) and name each
+    bad file with its reason on stderr. The exit status of the module docstring."""
+    from omni.export import resolve_export_dir
+
+    prog = f"omni {args.command}"
+    try:
+        checkpoint = resolve_export_dir(args.checkpoint)
+        if checkpoint != Path(args.checkpoint):
+            print(f"{prog}: using the export {checkpoint} of the run directory {args.checkpoint}", file=sys.stderr)
+        _check_export(args.command, checkpoint)
+        results = run(checkpoint)
+    except Exception as exc:
+        message = _one_line(exc)
+        named = str(args.checkpoint) in message  # e.g. load_pretrained's RuntimeError: weights that do not fit
+        if not (named or isinstance(exc, _export_errors())):
+            raise  # a bug: its traceback
+        raise UsageError(message if named else f"cannot load the export {args.checkpoint}: {message}") from exc
+    rows, bad = [], 0
+    for f, result in zip(files, results):
+        if isinstance(result, Exception):
+            bad += 1
+            reason = _one_line(result).removeprefix(f"{f}: ")  # library messages start with the file
+            print(f"{prog}: {f}: {reason}", file=sys.stderr)
+            rows.append({"file": f, "error": reason})
+        else:
+            rows.append({"file": f, **entry(result)})
+            if args.format == "txt":
+                print(f"{f}: {text(result)}")
+    if args.format == "json":
+        print(json.dumps(rows, indent=2, ensure_ascii=False))
+    if bad:
+        print(f"{prog}: {bad} of {len(files)} file{'s' if len(files) > 1 else ''} failed", file=sys.stderr)
+    return 0 if not bad else 2 if bad == len(files) else 1
+
+
+def _predict(args: argparse.Namespace) -> int:
+    from omni.vision import predict_files
+
+    return _run_on_files(
+        args, args.images,
+        lambda checkpoint: predict_files(checkpoint, args.images, top_k=args.top_k, device=args.device,
+                                         return_exceptions=True),
+        text=lambda top: ", ".join(f"{name} {p:.3f}" for name, p in top),
+        entry=lambda top: {"top_k": [{"label": name, "probability": p} for name, p in top]})
+
+
+def _transcribe(args: argparse.Namespace) -> int:
+    from omni.speech import transcribe_files
+
+    return _run_on_files(
+        args, args.files,
+        lambda checkpoint: transcribe_files(checkpoint, args.files, beam_size=args.beam_size,
+                                            length_penalty=args.length_penalty, batch_size=args.batch_size,
+                                            device=args.device, max_new_tokens=args.max_new_tokens,
+                                            return_exceptions=True),
+        text=str, entry=lambda text: {"text": text})
 
 
 def _list_tokenizers(args: argparse.Namespace) -> int:
@@ -17,52 +206,35 @@ def _list_tokenizers(args: argparse.Namespace) -> int:
     return 0
 
 
-def _predict(args: argparse.Namespace) -> int:
-    from omni.vision import predict_files
-
-    try:
-        results = predict_files(args.checkpoint, args.images, top_k=args.top_k, device=args.device)
-    except (FileNotFoundError, ValueError) as exc:
-        print(f"omni predict: error: {exc}", file=sys.stderr)
-        return 2
-    for path, top in zip(args.images, results):
-        print(f"{path}: " + ", ".join(f"{name} {p:.3f}" for name, p in top))
-    return 0
-
-
-def _transcribe(args: argparse.Namespace) -> int:
-    from omni.speech import transcribe_files
-
-    try:
-        texts = transcribe_files(args.checkpoint, args.files, beam_size=args.beam_size,
-                                 length_penalty=args.length_penalty, batch_size=args.batch_size,
-                                 device=args.device, max_new_tokens=args.max_new_tokens)
-    except (FileNotFoundError, ValueError) as exc:
-        print(f"omni transcribe: error: {exc}", file=sys.stderr)
-        return 2
-    for path, text in zip(args.files, texts):
-        print(f"{path}: {text}")
-    return 0
+def _add_inference_options(p: argparse.ArgumentParser, example: str) -> None:
+    """--checkpoint, --device and --format, shared by predict and transcribe."""
+    p.epilog = ("exit status: 0 every file read; 1 some files could not be read (each named on stderr with its "
+                "reason); 2 a usage error (one line) or no file could be read")
+    p.add_argument("--checkpoint", required=True,
+                   help=f"an export directory, e.g. {example}, or a run directory (its final/ is used)")
+    p.add_argument("--device", type=_device, default=None, help="cpu, cuda, cuda:N, mps (default: cuda when available)")
+    p.add_argument("--format", choices=("txt", "json"), default="txt",
+                   help="txt: a 'file: result' line per file; json: a list of {file, ...} objects (default: txt)")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="omni", description=__doc__)
+    parser = _Parser(prog="omni", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"omni {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("tokenizers", help="list registered tokenizers (built-in and plug-in)")
     p.set_defaults(func=_list_tokenizers)
     p = sub.add_parser("predict", help="classify image files with an exported image classifier (recipes/vit.py)")
-    p.add_argument("--checkpoint", required=True, help="an export directory, e.g. runs/vit/final")
-    p.add_argument("--top-k", type=int, default=5)
-    p.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda when available)")
+    _add_inference_options(p, "runs/vit/final")
+    p.add_argument("--top-k", type=_positive_int, default=5, help="classes shown per image (default: 5)")
     p.add_argument("images", nargs="+", help="image files of any size, mode and format (PNG, JPEG, ...)")
     p.set_defaults(func=_predict)
     p = sub.add_parser("transcribe", help="speech to text with an exported speech recognizer (recipes/whisper.py)")
-    p.add_argument("--checkpoint", required=True, help="an export directory, e.g. runs/whisper/final")
-    p.add_argument("--beam-size", type=int, default=1, help="beam width (1 = greedy)")
-    p.add_argument("--length-penalty", type=float, default=1.0, help="GNMT length penalty alpha for beam search (0 = none)")
-    p.add_argument("--batch-size", type=int, default=16, help="30 s windows decoded together")
-    p.add_argument("--max-new-tokens", type=int, default=224, help="most tokens per 30 s window")
-    p.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda when available)")
+    _add_inference_options(p, "runs/whisper/final")
+    p.add_argument("--beam-size", type=_positive_int, default=1, help="beam width (1 = greedy)")
+    p.add_argument("--length-penalty", type=_finite_float, default=1.0,
+                   help="GNMT length penalty alpha for beam search (0 = none)")
+    p.add_argument("--batch-size", type=_positive_int, default=16, help="30 s windows decoded together")
+    p.add_argument("--max-new-tokens", type=_positive_int, default=224, help="most tokens per 30 s window")
     p.add_argument("files", nargs="+", help="audio files (WAV, FLAC, MP3, OGG ...): any sample rate, channels, length")
     p.set_defaults(func=_transcribe)
     from omni.data.cli import add_data_commands, add_tokenizer_commands
@@ -73,8 +245,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    return int(args.func(args) or 0)
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help, --version and usage errors end in argparse: hand back their status
+        return int(exc.code or 0)
+    try:
+        return int(args.func(args) or 0)
+    except UsageError as exc:
+        print(f"omni {args.command}: error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":
