@@ -109,7 +109,9 @@ def _fits(config: dict[str, Any]) -> tuple[str, list[str]]:
         except ValueError:  # several candidate tasks: the command itself says so
             commands.append(command)
     tasks = ", ".join(f"{name} ({task.get('kind')})" for name, task in config.get("tasks", {}).items())
-    return f"a multitask export (builder 'omni', recipes/multimodal.py{'; tasks ' + tasks if tasks else ''})", commands
+    if not tasks:
+        return "an OmniModel export (builder 'omni') that records no tasks", commands
+    return f"a multitask export (builder 'omni', recipes/multimodal.py; tasks {tasks})", commands
 
 
 def _check_export(command: str, checkpoint: str | Path) -> None:
@@ -117,9 +119,10 @@ def _check_export(command: str, checkpoint: str | Path) -> None:
     from omni.export import load_config
 
     what, commands = _fits(load_config(checkpoint))
+    if not commands:
+        raise UsageError(f"{checkpoint} is {what}: neither `omni predict` nor `omni transcribe` reads it")
     if command not in commands:
-        use = f"use `omni {commands[0]}`" if commands else "neither `omni predict` nor `omni transcribe` reads it"
-        raise UsageError(f"{checkpoint} is {what}, which `omni {command}` does not read: {use}")
+        raise UsageError(f"{checkpoint} is {what}, which `omni {command}` does not read: use `omni {commands[0]}`")
 
 
 def _export_errors() -> tuple[type[BaseException], ...]:
