@@ -112,11 +112,12 @@ RESUME_MODES = ("auto", "force", "never")
 # lives, how it is shown and logged, how often it evaluates and checkpoints, how it executes. None changes
 # what a step computes (evaluation runs under saved-and-restored RNG streams, checkpoints only read state,
 # compile / cuda_graph / loader workers compute the same steps), so the resumed run still ends where the
-# uninterrupted one would. Everything else (steps, lr, data, seed, model, eval settings) counts.
+# uninterrupted one would. max_corrupt_fraction only decides when corrupt data stops the run (raising it is
+# how a run stopped that way continues). Everything else (steps, lr, data, seed, model, eval settings) counts.
 RESUME_IGNORED = frozenset({
     "output_dir", "out", "resume", "progress", "report_to", "run_name", "log_every",
     "eval_every", "eval_every_epochs", "checkpoint_every", "checkpoint_every_epochs", "keep_checkpoints",
-    "export", "compile", "cuda_graph", "find_unused_parameters", "workers", "num_workers",
+    "export", "compile", "cuda_graph", "find_unused_parameters", "workers", "num_workers", "max_corrupt_fraction",
 })
 
 
