@@ -142,6 +142,18 @@ def test_corrupt_newest_checkpoint_falls_back_to_the_previous_one(tmp_path):
     assert [s for s, _ in list_checkpoints(out)] == [4, 6]
 
 
+def test_checkpoint_from_before_checksums_with_truncated_weights_is_named(tmp_path):
+    """No checksums.json (written before them): a damaged file is still caught when it is read, and named."""
+    _stopped_run(tmp_path)
+    for step in (2, 4):
+        (tmp_path / "checkpoints" / f"step-{step:06d}" / CHECKSUMS_NAME).unlink()
+    weights = tmp_path / "checkpoints" / "step-000004" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    with pytest.warns(UserWarning, match=rf"{weights} is unreadable .*resuming from the previous intact checkpoint"):
+        _, results = W.run_mlp(tmp_path, steps=6, checkpoint_every=2, dropout=0.2, report_to="none")
+    assert results["step"] == 6
+
+
 def test_no_intact_checkpoint_is_an_error_not_a_fresh_start(tmp_path):
     _stopped_run(tmp_path)
     root = tmp_path / "checkpoints"
