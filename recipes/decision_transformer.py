@@ -12,8 +12,11 @@ episodes by return) and each training seed it trains, then evaluates with rollou
 (many envs batched, KV-cached inference): a sweep of target returns (dt), ``eval_seeds`` episodes per
 target, normalised score 100 * (R - R_random) / (R_expert - R_random) with the references from the
 dataset manifest (``omni data gym`` measures them). Prints a Markdown table and writes
-``<out>/results.json``; each trained model is exported to ``<out>/<method>-seed<k>/final``.
---set key=value overrides any config entry (Python literals).
+``<out>/results.json``. Each (method, seed) run lives in ``<out>/<method>-seed<k>/``: checkpoints every
+``checkpoint_every`` steps (a re-run resumes; ``resume`` says how), TensorBoard logs with the training
+curves and the rollout scores (``eval/[target<R>/]score_mean``; rollouts also every ``eval_every`` steps if
+set), the trained model in ``final/``. --set key=value overrides any config entry (Python literals).
+Needs the rl extra: ``pip install -e ".[rl]"`` (gymnasium; mujoco for Hopper-v5 and the other MuJoCo envs).
 """
 
 from __future__ import annotations

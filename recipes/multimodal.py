@@ -44,6 +44,9 @@ Tasks (``tasks`` config entry; ``weight`` = sampling weight, ``loss_weight`` = f
                     -> windows of ``context`` steps -> action head.
   text   lm         Austen paragraphs (janeaustenr) up to ``max_tokens`` BPE tokens -> the tied LM head.
 
+The text task and synthesised speech read Jane Austen's novels (``apt-get install r-cran-janeaustenr``) unless
+``text`` names your own files or folders: ``--set "text=['corpus.txt']"``.
+
 A fifth modality needs a config change only: a registered tokenizer (built in or an installed plug-in,
 found through the ``omni.tokenizers`` entry point) and a data callable ``"module:function"`` returning
 ``(items, labels)`` for a split, e.g.
@@ -280,8 +283,8 @@ def speech_synth(spec: dict, cfg: dict, audio) -> dict[str, tuple[list, list]]:
         from omni.data.builders_speech import load_paragraphs, split_sentences_by_seed
         from omni.data.speech import extract_sentences, render_utterance
 
-        require("espeakng_loader")
         check_corpus(cfg["text"])
+        require("espeakng_loader")
         paragraphs, _ = load_paragraphs(cfg["text"])
         sentences = extract_sentences(paragraphs, 3, spec["max_words"])
         train, test = split_sentences_by_seed(sentences, spec["test"], seed)
@@ -330,8 +333,8 @@ def speech_shards(spec: dict, cfg: dict, audio) -> dict[str, tuple[list, list]]:
         if not spec.get("build"):
             raise FileNotFoundError(f"{data}/manifest.json not found: build it with `omni data speech-synth`")
         build = {"text": cfg["text"], "seed": cfg["seed"], "quiet": True, **spec["build"]}
-        require("espeakng_loader")
         check_corpus(build["text"])
+        require("espeakng_loader")
         print(f"synthesising speech shards in {data} (as recipes/whisper.py) ...", flush=True)
         build_speech_synth(data, **build)
     digest = hashlib.sha256((data / "manifest.json").read_bytes()).hexdigest()[:12]

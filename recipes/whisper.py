@@ -3,11 +3,14 @@ BPE text -> causal decoder with cross-attention -> tied LM head. Model, decoding
 
     python recipes/whisper.py                          # synthetic eSpeak NG speech (built if missing), preset for the device
     python recipes/whisper.py --preset tiny            # CPU smoke run
+    python recipes/whisper.py --preset tiny --set "text=['corpus.txt']"   # your own text instead of Austen's
     python recipes/whisper.py --preset base --data shards/librispeech --set steps=100000
     accelerate launch --num_processes 8 recipes/whisper.py --preset base --data ...
 
 --data takes a dataset directory written by `omni data speech-synth` or `omni data librispeech` (webdataset
-shards of <key>.flac|wav + <key>.txt + manifest.json). --set key=value overrides any config entry.
+shards of <key>.flac|wav + <key>.txt + manifest.json). --set key=value overrides any config entry. Without
+--data the recipe synthesises its dataset (needs `pip install -e ".[speech]"`) from the sentences of `text`:
+Jane Austen's novels (`apt-get install r-cran-janeaustenr`) unless you give your own files or folders.
 
 Text tokenizer: the shipped byte-level BPE `tokenizers/bpe-8k` by default (fitted on the same public-domain
 Austen novels the synthetic speech reads, so it covers the transcripts; no fitting step, identical on every
@@ -15,8 +18,8 @@ rank). `--set bpe_vocab=N` instead fits an N-token BPE on the training transcrip
 <out>/tokenizers/text (use it for other languages or domains). Either way the tokenizer is exported with the
 model, so `omni transcribe --checkpoint <out>/final file.wav` needs nothing else.
 
-At the end the test split is transcribed (greedy) and corpus WER/CER (omni.speech.normalize_text) are printed
-and written to <out>/eval.json.
+Each evaluation (and the one at the end) transcribes the test split greedily and logs corpus WER / CER
+(omni.speech.normalize_text); the final ones are printed and written to <out>/eval.json.
 """
 
 from __future__ import annotations
@@ -121,8 +124,8 @@ def ensure_data(cfg: dict, rank: int, world: int) -> Path:
                                     "`omni data speech-synth` or `omni data librispeech`")
         if rank == 0:
             build = {"text": cfg["text"], "seed": cfg["seed"], **cfg["build"]}
-            require("espeakng_loader")
             check_corpus(build["text"])
+            require("espeakng_loader")
             print(f"synthesising speech shards in {data} ...", flush=True)
             build_speech_synth(data, **build)
         if world > 1:
