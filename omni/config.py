@@ -13,8 +13,8 @@ An entry's type comes from its ``Key`` when it has one, else from the shared ``R
 keys every recipe has: steps, lr, batch_size, ...), else from its default (int, float, bool, str, list,
 dict; a None default needs a Key). Checks: int takes no bool and no 1.5 (1e4 is 10000); float takes ints,
 not NaN or inf; bool only True/False; a list's items are checked (typed by the default's items), and a
-dict's entries where the Key declares them (``entries=``, or ``each=`` for a dict of like values). A bad value is one line naming the
-key and what it takes, through ``ap.error`` (exit status 2).
+dict's entries where the Key declares them (``entries=``, or ``each=`` for a dict of like values). A bad
+value is one line naming the key and what it takes, through ``ap.error`` (exit status 2).
 """
 
 from __future__ import annotations

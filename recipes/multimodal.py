@@ -178,8 +178,8 @@ COMMON = dict(
     workers=8, compile=False, eval_every=2000,
     eval_batches=Key(50, check=at_least(0), help="held-out mixture batches per evaluation (0: none)"),
     checkpoint_every=2000, log_every=50, seed=0, progress=True, report_to="tensorboard",
-    eval_tasks=Key(True, (bool, str), one_of(True, False, "end"), "task metrics (accuracy, CER/WER, rollout "
-                                                                 "score, perplexity): at every eval, at the end, never"),
+    eval_tasks=Key(True, (bool, str), one_of(True, False, "end"),
+                   "task metrics (accuracy, CER/WER, rollout score, perplexity): at every eval, at the end, never"),
     only=Key(None, (str, list, None), each=Key(type=str),
              help="a task name (or list of names) to train alone: the single-task baseline, same trunk and budget"),
     max_corrupt_fraction=0.01, resume="auto",

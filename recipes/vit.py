@@ -76,7 +76,8 @@ PRESETS: dict[str, dict] = {
 
 def parse_args(argv=None) -> dict:
     ap = recipe_parser(__doc__, COMMON, PRESETS, "fmnist on CUDA, fmnist-cpu otherwise")
-    cfg = recipe_config(ap, ap.parse_args(argv), COMMON, PRESETS, "fmnist" if torch.cuda.is_available() else "fmnist-cpu")
+    default = "fmnist" if torch.cuda.is_available() else "fmnist-cpu"
+    cfg = recipe_config(ap, ap.parse_args(argv), COMMON, PRESETS, default)
     if cfg["data"] is None:
         ap.error(f"preset {cfg['preset']!r} needs --data DIR (shards from `omni data images`)")
     if cfg["steps"] is None and cfg["epochs"] is None:

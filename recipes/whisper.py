@@ -149,7 +149,8 @@ def make_text_tokenizer(cfg: dict, data: Path, rank: int, world: int) -> TextTok
         return TextTokenizer()
     path = Path(cfg["out"]) / "tokenizers" / "text"
     if rank == 0 and not (path / "tokenizer.json").is_file():
-        tok = TextTokenizer().fit(read_transcripts(data, "train", cfg["max_corrupt_fraction"]), vocab_size=int(cfg["bpe_vocab"]))
+        transcripts = read_transcripts(data, "train", cfg["max_corrupt_fraction"])
+        tok = TextTokenizer().fit(transcripts, vocab_size=cfg["bpe_vocab"])
         tok.save(path)
     if world > 1:
         torch.distributed.barrier()
@@ -233,7 +234,8 @@ def main(argv=None) -> dict:
     export = {"builder": "omni.speech:build_speech_recognizer", "encoder": encoder.to_dict(),
               "decoder": decoder.to_dict(), "ctc": cfg["ctc_weight"] > 0, "audio_positions": cfg["audio_positions"]}
     trainer = Trainer(model, SpeechLoss(cfg["ctc_weight"]), train_data, config, eval_data=eval_data,
-                      eval_fn=scorer.eval_fn, model_metrics_fn=scorer.metrics, hparams=cfg, export_config=export, export_tokenizers={"audio": audio, "text": text})
+                      eval_fn=scorer.eval_fn, model_metrics_fn=scorer.metrics, hparams=cfg, export_config=export,
+                      export_tokenizers={"audio": audio, "text": text})
     if state.is_main_process:
         n_params = sum(p.numel() for p in unwrap(trainer.model).parameters())
         print(f"Whisper preset {cfg['preset']}: {n_params / 1e6:.2f}M parameters, {cfg['steps']} steps "
