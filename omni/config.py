@@ -125,10 +125,10 @@ RULES: dict[str, Key] = dict(
     progress=Key(type=bool, help="progress bar (False: one printed line per log_every steps)"),
     report_to=Key(type=str, help="'tensorboard' (<out>/logs), another Accelerate tracker, or 'none'"),
     resume=Key(type=str, check=one_of("auto", "force", "never"),
-               help="auto: continue from <out>/checkpoints when they match this run; force: continue "
-                    "regardless; never: start over"),
-    max_corrupt_fraction=Key(type=float, check=FRACTION,
-                             help="fail when more than this fraction of an epoch's shard samples are corrupt"),
+               help="auto: continue the run in <out> when its config matches this one; force: continue it "
+                    "regardless; never: refuse an <out> that holds a run"),
+    max_corrupt_fraction=Key(type=float, check=FRACTION, help="corrupt shard samples are skipped; more than this "
+                                                              "fraction of an epoch's stops the run"),
 )
 
 _NAMES = {bool: "True or False", int: "an integer", float: "a finite number", str: "a string", list: "a list",
