@@ -389,11 +389,12 @@ def train_config(cfg: Mapping[str, Any], **fields: Any):
 
 def user_errors() -> tuple[type[BaseException], ...]:
     """Exceptions that are the user's to fix (bad or missing data, a locked or mismatched output folder,
-    a bad value), not bugs: a recipe reports them in one line."""
+    a bad value, a full disk), not bugs: a recipe reports them in one line."""
     from omni.data.shards import DatasetError
+    from omni.export import DiskFullError
     from omni.lock import LockedError
 
-    return (ValueError, FileNotFoundError, LockedError, DatasetError)
+    return (ValueError, FileNotFoundError, LockedError, DatasetError, DiskFullError)
 
 
 def run_recipe(main: Callable[[], Any]) -> NoReturn:

@@ -56,12 +56,14 @@ def one_line_error(proc: subprocess.CompletedProcess, script: str) -> str:
 
 def user_errors():
     from omni.data.shards import DatasetError
+    from omni.export import DiskFullError
     from omni.lock import LockedError
     from omni.train import ResumeMismatchError, RunExistsError
 
     return [ValueError("bad value"), FileNotFoundError("data/x/manifest.json not found"),
             LockedError("runs/x is held by pid 7"), DatasetError("shard 3 does not match its manifest"),
-            ResumeMismatchError("runs/x holds another run: lr: 0.1 -> 0.2"), RunExistsError("runs/x exists")]
+            ResumeMismatchError("runs/x holds another run: lr: 0.1 -> 0.2"), RunExistsError("runs/x exists"),
+            DiskFullError("no space left on the device writing runs/x/checkpoints/step-000010")]
 
 
 @pytest.mark.parametrize("error", user_errors(), ids=lambda e: type(e).__name__)
