@@ -20,7 +20,7 @@ REFERENCE = {
     "gelu": lambda h: 0.5 * h * (1 + torch.erf(h / math.sqrt(2))),
     "gelu_tanh": lambda h: 0.5 * h * (1 + torch.tanh(math.sqrt(2 / math.pi) * (h + 0.044715 * h ** 3))),
     "relu": lambda h: torch.where(h > 0, h, torch.zeros_like(h)),
-    "swiglu": lambda h: h[..., :h.shape[-1] // 2] * torch.sigmoid(h[..., :h.shape[-1] // 2]) * h[..., h.shape[-1] // 2:],
+    "swiglu": lambda h: (lambda a, b: a * torch.sigmoid(a) * b)(h[..., :h.shape[-1] // 2], h[..., h.shape[-1] // 2:]),
 }
 FUNCTIONAL = {
     "gelu": lambda h: F.gelu(h),

@@ -65,7 +65,8 @@ def test_edit_distance_equals_reference_dp(kind):
 
 def random_corpus(n: int, seed: int) -> tuple[list[str], list[str]]:
     rng = random.Random(seed)
-    words = ["The", "cat,", "sat", "on", "the", "mat.", "Don't", "'quoted'", "café", "naïve", "日本語", "x-ray", "42"]
+    words = ["The", "cat,", "sat", "on", "the", "mat.", "Don't", "'quoted'", "café", "naïve", "日本語", "x-ray",
+             "42"]
     refs = [" ".join(rng.choice(words) for _ in range(rng.randint(1, 25))) for _ in range(n)]
     hyps = [" ".join(mutate(r.split(), rng, words)) for r in refs]
     return refs, hyps
