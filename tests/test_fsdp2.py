@@ -158,14 +158,16 @@ def _load_recipe():
     return module
 
 
-def test_multimodal_recipe_trains_under_fsdp2(tmp_path):
+def test_multimodal_recipe_trains_under_fsdp2(tmp_path, fashion_mnist_env):
+    """conftest.py's tiny data: Fashion-MNIST by OMNI_FASHION_MNIST_DIR, the text corpus by the `text` entry."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     cache, out = tmp_path / "cache", tmp_path / "run"
+    data = [f"cache={str(cache)!r}", f"text={fashion_mnist_env.text_files()!r}"]
     recipe = _load_recipe()
-    recipe.build_tasks(recipe.parse_args(["--preset", "tiny", "--set", f"cache={str(cache)!r}"]))  # data, once
+    recipe.build_tasks(recipe.parse_args(["--preset", "tiny", "--set", *data]))  # data, once
     proc = _launch(str(ROOT / "recipes" / "multimodal.py"), "--preset", "tiny", "--out", str(out), "--set",
-                   f"cache={str(cache)!r}", "steps=2", "checkpoint_every=2", "eval_batches=1", "report_to='none'",
+                   *data, "steps=2", "checkpoint_every=2", "eval_batches=1", "report_to='none'",
                    "progress=False", cpu_flag=False, timeout=120)
     assert "FSDP2 x 2 processes" in proc.stdout, proc.stdout[-2000:]
     metrics = json.loads((out / "metrics.json").read_text())

@@ -16,6 +16,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -42,29 +43,39 @@ def load_recipe():
     return module
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
+# conftest.py: one torch thread; no Debian data package needed: Fashion-MNIST is conftest's tiny stand-in through
+# OMNI_FASHION_MNIST_DIR (the recipe has no entry for its folder), the text corpus goes in by the `text` entry.
+pytestmark = pytest.mark.usefixtures("one_thread", "fashion_mnist_env")
 
 
-@pytest.fixture(scope="session")
-def cache(tmp_path_factory) -> Path:
-    """The tiny preset's data, built once (speech synthesised + encoded, CartPole recorded, Austen filtered)."""
+def data_sets(cache: Path) -> list[str]:
+    """``--set`` entries for the tiny preset's data: the cache folder and the text corpus kept in it (so the
+    torchrun workers, given the folder, pass the same corpus)."""
+    corpus = [str(p) for p in sorted((cache / "corpus").glob("*.txt"))]
+    return [f"cache={str(cache)!r}", f"text={corpus!r}"]
+
+
+@pytest.fixture(scope="module")
+def cache(fashion_mnist_env, tmp_path_factory) -> Path:
+    """The tiny preset's data, built once (speech synthesised + encoded, CartPole recorded, text filtered)."""
     path = tmp_path_factory.mktemp("multimodal-cache")
+    shutil.copytree(fashion_mnist_env.text, path / "corpus")
     recipe = load_recipe()
-    recipe.build_tasks(recipe.parse_args(["--preset", "tiny", "--set", f"cache={str(path)!r}"]))
+    recipe.build_tasks(recipe.parse_args(["--preset", "tiny", "--set", *data_sets(path)]))
     return path
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def tiny(cache):
     recipe = load_recipe()
-    cfg = recipe.parse_args(["--preset", "tiny", "--set", f"cache={str(cache)!r}"])
+    cfg = recipe.parse_args(["--preset", "tiny", "--set", *data_sets(cache)])
     torch.set_num_threads(1)
     model, train, evaluation, tasks = recipe.build(cfg)
     return cfg, model, train, evaluation, tasks
 
 
 def tiny_args(cache: Path, out: Path, *extra: str) -> list[str]:
-    return ["--preset", "tiny", "--out", str(out), "--set", f"cache={str(cache)!r}", "progress=False", *extra]
+    return ["--preset", "tiny", "--out", str(out), "--set", *data_sets(cache), "progress=False", *extra]
 
 
 def scalars(out: Path, run: str = "multimodal-tiny") -> dict[str, list[float]]:
@@ -387,7 +398,7 @@ def test_every_preset_parses_and_a_dotted_override_reaches_one_task(cache):
         cfg = recipe.parse_args(["--preset", name])
         assert cfg["tasks"] and all("loss_weight" in spec for spec in cfg["tasks"].values()), name
     assert set(recipe.parse_args(["--preset", "cpu-4tasks"])["tasks"]) == {"image", "asr", "rl", "text"}
-    cfg = recipe.parse_args(["--preset", "tiny", "--set", f"cache={str(cache)!r}", "tasks.text.loss_weight=2"])
+    cfg = recipe.parse_args(["--preset", "tiny", "--set", *data_sets(cache), "tasks.text.loss_weight=2"])
     assert cfg["tasks"]["text"]["max_tokens"] == 96  # the preset's other entries of that task stay
     tasks = {t.name: t for t in recipe.build_tasks(cfg)["train"]}
     assert tasks["text"].loss_weight == 2.0 and tasks["image"].loss_weight == 1.0
@@ -409,14 +420,14 @@ def test_joint_loss_is_the_loss_weighted_sum_of_task_mean_losses(tiny):
     assert torch.allclose(doubled, total + losses["text"], rtol=1e-6) and losses["text"] > 0
 
 
-def test_speech_shards_source_reads_the_whisper_dataset(tmp_path):
+def test_speech_shards_source_reads_the_whisper_dataset(tmp_path, tiny_corpora):
     """The default asr source: recipes/whisper.py's shards (here 3 + 2 clips), the same clips and transcripts."""
     from omni.data.builders_speech import build_speech_synth
     from omni.data.reader import ShardLoader
 
     recipe = load_recipe()
     shards = tmp_path / "speech"
-    build_speech_synth(shards, train=3, test=2, seed=0, workers=1, quiet=True)
+    build_speech_synth(shards, train=3, test=2, text=tiny_corpora.text_files(), seed=0, workers=1, quiet=True)
     cfg = recipe.parse_args(["--preset", "tiny", "--set", f"cache={str(tmp_path / 'cache')!r}"])
     assert recipe.TASKS["asr"]["source"] == "speech-shards"
     cfg["tasks"] = {"asr": dict(recipe.TASKS["asr"], shards=str(shards))}
