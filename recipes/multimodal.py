@@ -29,7 +29,7 @@ On CPU, ``accelerate launch --cpu --num_processes 2`` starts ONE process; for DD
 
 Tasks (``tasks`` config entry; ``weight`` = sampling weight, ``loss_weight`` = factor on its loss):
 
-  image  classify   Fashion-MNIST (Debian ``dataset-fashion-mnist`` IDX files, else downloaded), patches of
+  image  classify   Fashion-MNIST (Debian ``dataset-fashion-mnist`` IDX files, or $OMNI_FASHION_MNIST_DIR), patches of
                     ``patch`` px -> mean-pooled classification head. (A caption-style prefix-LM target would
                     also work; a head keeps the metric comparable with recipes/vit.py.)
   asr    transcribe eSpeak NG speech of public-domain Austen sentences -> [audio, <bos><|transcribe|> text

@@ -22,6 +22,7 @@ import numpy as np
 
 from omni.data.policies import available_policies, make_policy, policy_source, register_policy_file, rollout
 from omni.data.shards import Build, fingerprint_files
+from omni.deps import require
 
 EPISODE_KEYS = ("observations", "actions", "rewards", "terminations", "truncations")
 DEFAULT_MIX = "random:0.1,replay:0.3,medium:0.4,expert:0.2"  # D4RL-like: mostly sub-expert data
@@ -255,7 +256,7 @@ def build_gym(
     if minari is None:
         minari = minari_available()
     elif minari and not minari_available():
-        raise ImportError("--minari needs the minari package (`pip install 'minari[hdf5]'`)")
+        require("minari")  # raises MissingDependency naming the extra (rl)
     mid = (minari_id or default_minari_id(out)) if minari else None
     root = None
     if minari:
