@@ -45,24 +45,27 @@ def _version() -> str:
 
 
 # -- option types: bad values stop at argument parsing ------------------------------------------------------
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
+def number(kind: type, *, at_least: float | None = None, below: float | None = None) -> Callable[[str], Any]:
+    """An argparse type: text -> ``kind`` (int, or a finite float), ``>= at_least`` and ``< below`` where given.
+    The one checker of numeric options for ``omni`` and ``omni data``."""
+    bounds = " and ".join(t for t in (at_least is not None and f">= {at_least}", below is not None and f"< {below}") if t)
+
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid {kind.__name__} value: {text!r}") from None
+        if kind is float and not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
+        if (at_least is not None and value < at_least) or (below is not None and value >= below):
+            raise argparse.ArgumentTypeError(f"must be {bounds}, got {value}")
+        return value
+
+    return parse
 
 
-def _finite_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid float value: {text!r}") from None
-    if not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
-    return value
+_positive_int = number(int, at_least=1)
+_finite_float = number(float)
 
 
 def _device(text: str) -> str:

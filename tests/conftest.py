@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gzip
+import lzma
 import shutil
 import struct
 import sys
@@ -10,6 +11,7 @@ import textwrap
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterable
 
 import numpy as np
 import pytest
@@ -123,15 +125,17 @@ def _r_stream(obj: bytes) -> bytes:
     return b"X\n" + struct.pack(">iii", 2, 0x040201, 0x020300) + obj
 
 
-def write_janeaustenr(package: Path, novels: dict[str, list[str]]) -> None:
+def write_janeaustenr(package: Path, novels: dict[str, list[str]], xz: Iterable[str] = ()) -> None:
     """``package``/data/Rdata.rdx + .rdb: an R lazy-load database of character vectors (one line of text
-    each), as the janeaustenr package stores its novels."""
+    each), as the janeaustenr package stores its novels; zlib-compressed as R does by default, the novels
+    named in ``xz`` with xz (R's other compression)."""
     data = package / "data"
     data.mkdir(parents=True)
     rdb, index = b"", {}
     for name, lines in novels.items():
         raw = _r_stream(_r_str(lines))
-        chunk = struct.pack(">I", len(raw)) + b"Z" + zlib.compress(raw)
+        packed = b"X" + lzma.compress(raw) if name in xz else b"Z" + zlib.compress(raw)
+        chunk = struct.pack(">I", len(raw)) + packed
         index[name] = struct.pack(">ii", 13, 2) + struct.pack(">ii", len(rdb), len(chunk))
         rdb += chunk
     names = struct.pack(">i", 1) + _r_char("names")  # SYMSXP, then referenced as REFSXP 1

@@ -509,7 +509,7 @@ def test_cli_runs_and_reports_bad_arguments(tmp_path: Path, capsys: pytest.Captu
     assert "train: 1 samples, 1 shard(s)" in capsys.readouterr().out
     assert cli_main(["data", "images", "--src", str(tmp_path / "missing"), "--out", str(tmp_path / "i")]) == 2
     assert str(tmp_path / "missing") in one_error_line(capsys, "data images")
-    for argv, why in ((["gym", "--out", str(tmp_path / "g"), "--episodes", "0"], "expected a positive integer, got 0"),
+    for argv, why in ((["gym", "--out", str(tmp_path / "g"), "--episodes", "0"], "argument --episodes: must be >= 1, got 0"),
                       (["images", "--out", str(tmp_path / "i")], "the following arguments are required: --src"),
                       (["text", "--out", str(tmp_path / "t"), "--max-chars", "x"], "argument --max-chars")):
         try:

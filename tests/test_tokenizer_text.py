@@ -2,19 +2,17 @@
 
 from __future__ import annotations
 
-import gzip
 import json
-import lzma
 import pickle
 import random
-import struct
 import warnings
-import zlib
 from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
+
+from conftest import write_janeaustenr
 
 from omni.segment import Role
 from omni.tokenizers import Tokenizer, TypeEmbedding, get_tokenizer
@@ -291,46 +289,14 @@ def test_embedder_shapes_and_tying(tok: TextTokenizer) -> None:
 
 
 # -- the corpus reader ------------------------------------------------------------------------------
-def _r_char(s: str) -> bytes:
-    raw = s.encode("utf-8")
-    return struct.pack(">ii", 9 | (8 << 12), len(raw)) + raw  # CHARSXP flagged UTF-8
-
-
-def _r_str(values: list[str]) -> bytes:
-    return struct.pack(">ii", 16, len(values)) + b"".join(_r_char(v) for v in values)
-
-
-def _r_named_list(items: dict[str, bytes], names_sym: bytes) -> bytes:
-    body = struct.pack(">ii", 19 | (1 << 9), len(items)) + b"".join(items.values())
-    attrs = struct.pack(">i", 2 | (1 << 10)) + names_sym + _r_str(list(items)) + struct.pack(">i", 254)
-    return body + attrs
-
-
-def _r_stream(obj: bytes) -> bytes:
-    return b"X\n" + struct.pack(">iii", 2, 0x040201, 0x020300) + obj
-
-
 def test_austen_reader_on_synthetic_r_database(tmp_path: Path) -> None:
     """Writes a tiny R lazy-load database the way R does and reads it back."""
     data = tmp_path / "usr" / "lib" / "R" / "site-library" / "janeaustenr" / "data"
-    data.mkdir(parents=True)
     novels = {
         "emma": ["EMMA", "", "", "Emma Woodhouse, handsome, clever,", "and rich £", "", "THE END"],
         "persuasion": ["Sir Walter", "Elliot, of Kellynch Hall"],
     }
-    rdb, index = b"", {}
-    for name, lines in novels.items():
-        raw = _r_stream(_r_str(lines))
-        chunk = struct.pack(">I", len(raw)) + (b"Z" + zlib.compress(raw) if name == "emma" else b"X" + lzma.compress(raw))
-        index[name] = struct.pack(">ii", 13, 2) + struct.pack(">ii", len(rdb), len(chunk))
-        rdb += chunk
-    first_names = struct.pack(">i", 1) + _r_char("names")  # SYMSXP, becomes reference 1
-    again = struct.pack(">i", (1 << 8) | 255)  # REFSXP to it
-    variables = _r_named_list(index, first_names)
-    top = _r_named_list({"variables": variables, "references": struct.pack(">ii", 19, 0),
-                         "compressed": struct.pack(">iii", 10, 1, 1)}, again)  # fmt: skip
-    (data / "Rdata.rdb").write_bytes(rdb)
-    (data / "Rdata.rdx").write_bytes(gzip.compress(_r_stream(top)))
+    write_janeaustenr(data.parent, novels, xz={"persuasion"})  # both of R's compressions
 
     expected = {
         "emma": ["EMMA", "Emma Woodhouse, handsome, clever, and rich £", "THE END"],

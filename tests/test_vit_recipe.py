@@ -3,15 +3,15 @@ its loss falls, the export loads with no training code, and `omni predict` reads
 
 from __future__ import annotations
 
-import gzip
 import importlib.util
-import struct
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from PIL import Image
+
+from conftest import write_idx_gz
 
 from omni.cli import main as omni_main
 from omni.data.builders_vision import build_fashion_mnist
@@ -25,12 +25,6 @@ def load_recipe():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
-
-
-def write_idx(path: Path, array: np.ndarray) -> None:
-    header = struct.pack(">HBB", 0, 0x08, array.ndim) + b"".join(struct.pack(">I", d) for d in array.shape)
-    with gzip.open(path, "wb") as f:
-        f.write(header + array.astype(np.uint8).tobytes())
 
 
 def synthetic_images(n: int, rng: np.random.Generator, labels: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
@@ -56,8 +50,8 @@ def dataset(tmp_path_factory):
     test_set = None
     for prefix, n in (("train", 2048), ("t10k", 512)):
         images, labels = synthetic_images(n, rng)
-        write_idx(idx / f"{prefix}-images-idx3-ubyte.gz", images)
-        write_idx(idx / f"{prefix}-labels-idx1-ubyte.gz", labels)
+        write_idx_gz(idx / f"{prefix}-images-idx3-ubyte.gz", images)
+        write_idx_gz(idx / f"{prefix}-labels-idx1-ubyte.gz", labels)
         test_set = (images, labels)
     build_fashion_mnist(root / "shards", source=idx, quiet=True)
     return root / "shards", test_set

@@ -13,39 +13,15 @@ import errno
 import sys
 from typing import Any, Callable
 
+from omni.cli import number
 from omni.data.shards import DatasetError
 from omni.lock import LockedError
 
 
 # -- argument types ---------------------------------------------------------------------------------
-def _positive_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
-    return v
-
-
-def _count(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {v}")
-    return v
-
-
-def _fraction(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a fraction in [0, 1), got {text!r}") from None
-    if not 0.0 <= v < 1.0:
-        raise argparse.ArgumentTypeError(f"expected a fraction in [0, 1), got {v}")
-    return v
+_positive_int = number(int, at_least=1)
+_count = number(int, at_least=0)
+_fraction = number(float, at_least=0, below=1)
 
 
 def _csv(text: str) -> list[str]:
