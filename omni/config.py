@@ -389,12 +389,18 @@ def train_config(cfg: Mapping[str, Any], **fields: Any):
 
 def user_errors() -> tuple[type[BaseException], ...]:
     """Exceptions that are the user's to fix (bad or missing data, a locked or mismatched output folder,
-    a bad value, a full disk), not bugs: a recipe reports them in one line."""
+    a bad value, a full disk, a folder that cannot be written, a run that diverged), not bugs: a recipe
+    reports them in one line."""
     from omni.data.shards import DatasetError
     from omni.export import DiskFullError
     from omni.lock import LockedError
 
-    return (ValueError, FileNotFoundError, LockedError, DatasetError, DiskFullError)
+    from omni.train import NonFiniteLossError
+
+    # PermissionError, NotADirectoryError, IsADirectoryError: an --out or --data the user cannot write or
+    # that is a file; NonFiniteLossError: training diverged (its message names the step and the samples)
+    return (ValueError, FileNotFoundError, PermissionError, NotADirectoryError, IsADirectoryError, LockedError,
+            DatasetError, DiskFullError, NonFiniteLossError)
 
 
 def run_recipe(main: Callable[[], Any]) -> NoReturn:
@@ -403,9 +409,16 @@ def run_recipe(main: Callable[[], Any]) -> NoReturn:
     extra installs it) ends with one line ``<recipe>: error: <message>`` and status 2; anything else is a
     bug and keeps its traceback (so does every error with OMNI_TRACEBACK=1)."""
     from omni.deps import install_hint
+    from omni.train import TrainingInterrupted
 
     try:
         result = main()
+    except TrainingInterrupted as exc:  # Ctrl-C / SIGTERM in training: the step's checkpoint is saved
+        print(f"{recipe_prog()}: {exc}", file=sys.stderr, flush=True)
+        sys.exit(128 + exc.signum)
+    except KeyboardInterrupt:  # outside the training loop (building data, a second Ctrl-C): nothing to save
+        print(f"{recipe_prog()}: interrupted", file=sys.stderr, flush=True)
+        sys.exit(128 + 2)
     except Exception as exc:
         message = install_hint(exc) or (str(exc) if isinstance(exc, user_errors()) else None)
         if message is None or os.environ.get("OMNI_TRACEBACK"):

@@ -85,7 +85,9 @@ import os
 import random
 import re
 import shutil
+import signal
 import sys
+import threading
 import time
 import warnings
 from dataclasses import asdict, dataclass
@@ -119,6 +121,50 @@ RESUME_IGNORED = frozenset({
     "eval_every", "eval_every_epochs", "checkpoint_every", "checkpoint_every_epochs", "keep_checkpoints",
     "export", "compile", "cuda_graph", "find_unused_parameters", "workers", "num_workers", "max_corrupt_fraction",
 })
+
+
+class TrainingInterrupted(KeyboardInterrupt):
+    """SIGINT (Ctrl-C) or SIGTERM stopped ``fit`` after a whole step, whose checkpoint was saved: running the
+    same command again resumes there. ``signum`` is the signal (exit status 128 + signum, as a shell reports)."""
+
+    def __init__(self, message: str, signum: int) -> None:
+        super().__init__(message)
+        self.signum = signum
+
+
+class _StopOnSignal:
+    """While entered, the first SIGINT or SIGTERM only records itself (``signum``), so the loop can finish its
+    step, checkpoint and stop; a second one acts as it would have (KeyboardInterrupt, termination). Handlers
+    can only be installed from the main thread: elsewhere this records nothing."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> "_StopOnSignal":
+        if threading.current_thread() is threading.main_thread():
+            self._previous = {s: signal.signal(s, self._record) for s in self.SIGNALS}
+        return self
+
+    def _record(self, signum: int, frame: Any) -> None:
+        if self.signum is None:
+            self.signum = signum
+            # os.write, not print: the handler may run while the main thread is inside a write to stderr
+            # (tqdm), and a buffered stream refuses that reentrant call
+            os.write(2, f"\nomni.train: {signal.Signals(signum).name} received: stopping after this step with a "
+                        "checkpoint (send it again to stop at once)\n".encode())
+            return
+        self.__exit__()
+        if signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        os.kill(os.getpid(), signum)  # the restored handler (by default: terminate)
+
+    def __exit__(self, *exc: Any) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+        self._previous = {}
 
 
 class NonFiniteLossError(RuntimeError):
@@ -1299,41 +1345,64 @@ class Trainer:
         window: list[dict[str, float]] = []
         t0 = time.perf_counter()
         self.model.train()
-        try:
-            while self.step < cfg.steps:
-                record = self._train_step()
-                self.step += 1
-                window.append(record)
-                bar.update(1)
-                if (cfg.log_every > 0 and self.step % cfg.log_every == 0) or self.step == cfg.steps:
-                    dt = max(time.perf_counter() - t0, 1e-9)
-                    logged = self._summarise(window, dt, self._stream.epoch)
-                    acc.log(logged, step=self.step)
-                    bar.set_postfix(loss=f"{logged['train/loss']:.4g}", lr=f"{logged['train/lr']:.3g}")
-                    if print_lines:
-                        print(f"step {self.step}/{cfg.steps}: " + ", ".join(
-                            f"{k.removeprefix('train/')} {v:.4g}" for k, v in logged.items())
-                            + f", it/s {len(window) / dt:.3g}", flush=True)
-                    results.update(logged)
-                    window, t0 = [], time.perf_counter()
-                if cfg.eval_every > 0 and self.step % cfg.eval_every == 0 and self.evaluates:
+        with _StopOnSignal() as stop:
+            try:
+                while self.step < cfg.steps:
+                    record = self._train_step()
+                    self.step += 1
+                    window.append(record)
+                    bar.update(1)
+                    if (cfg.log_every > 0 and self.step % cfg.log_every == 0) or self.step == cfg.steps:
+                        dt = max(time.perf_counter() - t0, 1e-9)
+                        logged = self._summarise(window, dt, self._stream.epoch)
+                        acc.log(logged, step=self.step)
+                        bar.set_postfix(loss=f"{logged['train/loss']:.4g}", lr=f"{logged['train/lr']:.3g}")
+                        if print_lines:
+                            print(f"step {self.step}/{cfg.steps}: " + ", ".join(
+                                f"{k.removeprefix('train/')} {v:.4g}" for k, v in logged.items())
+                                + f", it/s {len(window) / dt:.3g}", flush=True)
+                        results.update(logged)
+                        window, t0 = [], time.perf_counter()
+                    if cfg.eval_every > 0 and self.step % cfg.eval_every == 0 and self.evaluates:
+                        results.update(self._eval_and_log(bar))
+                        last_eval = self.step
+                    if cfg.checkpoint_every > 0 and self.step % cfg.checkpoint_every == 0:
+                        self.save_checkpoint()
+                        last_ckpt = self.step
+                    if self.step < cfg.steps and (signum := self._stop_signal(stop)):
+                        self._stop_here(signum, saved=last_ckpt == self.step)
+                if self.evaluates and last_eval != self.step:
                     results.update(self._eval_and_log(bar))
-                    last_eval = self.step
-                if cfg.checkpoint_every > 0 and self.step % cfg.checkpoint_every == 0:
+                if cfg.checkpoint_every > 0 and last_ckpt != self.step:
                     self.save_checkpoint()
-                    last_ckpt = self.step
-            if self.evaluates and last_eval != self.step:
-                results.update(self._eval_and_log(bar))
-            if cfg.checkpoint_every > 0 and last_ckpt != self.step:
-                self.save_checkpoint()
-            if cfg.export:
-                self.export()
-        finally:
-            bar.close()
+                if cfg.export:
+                    self.export()
+            finally:
+                bar.close()
         results["step"] = self.step
         if acc.is_main_process:  # for a re-run of this finished run (_report_finished)
             _export.write_json(self.output_dir / RESULTS_NAME, results)
         return results
+
+    def _stop_signal(self, stop: _StopOnSignal) -> int | None:
+        """The stop signal this run has received, agreed by every rank: a rank alone may have got it, and the
+        checkpoint that follows is collective. Several processes compare notes every ``log_every`` steps
+        (a scalar all-reduce; every step would cost a device sync per step), one process every step."""
+        acc = self.accelerator
+        if acc.num_processes == 1:
+            return stop.signum
+        if self.step % max(self.config.log_every, 1):
+            return None
+        flag = torch.tensor([stop.signum or 0], device=acc.device)
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        return int(flag.item()) or None
+
+    def _stop_here(self, signum: int, saved: bool) -> None:
+        """Checkpoint this step (unless just done) and raise TrainingInterrupted."""
+        path = self.checkpoint_root / f"step-{self.step:06d}" if saved else self.save_checkpoint()
+        raise TrainingInterrupted(f"stopped by {signal.Signals(signum).name} at step {self.step} of "
+                                  f"{self.config.steps}; checkpoint {path}: run the same command again to resume",
+                                  signum)
 
     def close(self) -> None:
         """Finish the trackers, tear down the process group and release output_dir; ``self.model`` becomes
