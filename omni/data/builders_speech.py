@@ -38,7 +38,8 @@ def load_paragraphs(text: Sequence[str | os.PathLike] | None) -> tuple[list[str]
     from omni.tokenizers.text import austen_dir, austen_novels
 
     if not text:
-        text = [austen_dir("; or pass --text FILE [FILE ...] with your own (public-domain) text")]
+        text = [austen_dir("; or give your own (public-domain) text files: `omni data speech-synth --text FILE`, "
+                           "in a recipe --set \"text=['FILE']\"")]
     paragraphs: list[str] = []
     names = []
     for p in map(Path, text):
@@ -50,7 +51,7 @@ def load_paragraphs(text: Sequence[str | os.PathLike] | None) -> tuple[list[str]
             paragraphs.extend(paragraphs_of(p.read_text(encoding="utf-8", errors="replace")))
             names.append(p.name)
         else:
-            raise FileNotFoundError(f"--text {p}: no such file or folder")
+            raise FileNotFoundError(f"text corpus {p}: no such file or folder")
     return paragraphs, " + ".join(names)
 
 
@@ -165,6 +166,9 @@ def build_speech_synth(
 
     paragraphs, corpus = load_paragraphs(text)
     sentences = extract_sentences(paragraphs, min_words, max_words)
+    if len(sentences) <= n_test_sent:
+        raise ValueError(f"the text corpus ({corpus}) has {len(sentences)} usable sentences of {min_words}-{max_words} "
+                         f"words; {n_test_sent} are held out for test, so it needs more than that (plain UTF-8 prose)")
     train_sents, test_sents = split_sentences_by_seed(sentences, n_test_sent, seed)
     corpus_hash = hashlib.sha256("\n".join(sentences).encode()).hexdigest()
     args = {

@@ -63,9 +63,10 @@ def fashion_mnist_dir() -> Path:
 
 def _where_to_get(folder: Path, offer_download: bool = True) -> str:
     names = ", ".join(f"{s}.gz" for pair in FASHION_MNIST_FILES.values() for s in pair)
-    download = ", or download them with `omni data fashion-mnist --download`" if offer_download else ""
-    return (f"looked in {folder}: `apt-get install dataset-fashion-mnist`, set {FASHION_MNIST_ENV}=DIR or pass "
-            f"--source DIR (a folder with {names}){download}")
+    download = "; `omni data fashion-mnist --download` fetches them" if offer_download else ""
+    # named by command, not by flag: recipes show this message too, and they take no --source
+    return (f"looked in {folder}: `apt-get install dataset-fashion-mnist`, or set {FASHION_MNIST_ENV}=DIR to a folder "
+            f"with {names} (`omni data fashion-mnist --source DIR` reads such a folder too){download}")
 
 
 def read_idx(path: str | os.PathLike) -> np.ndarray:
