@@ -56,6 +56,8 @@ class DirectoryLock:
     def acquire(self) -> "DirectoryLock":
         if self._fd is not None:
             return self
+        if self.directory.exists() and not self.directory.is_dir():
+            raise NotADirectoryError(f"{self.what} {self.directory} exists and is not a directory")
         self.directory.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:

@@ -69,3 +69,11 @@ def test_stale_temp_dirs_are_cleaned_by_the_lock_holder_only(tmp_path):
     holder.fit()
     assert not any(d.exists() for d in stale)
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == [".omni.lock"]
+
+
+def test_an_output_dir_that_is_a_file_is_named(tmp_path):
+    from omni.lock import DirectoryLock
+
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(NotADirectoryError, match="output directory .*file exists and is not a directory"):
+        DirectoryLock(tmp_path / "file", "output directory").acquire()
