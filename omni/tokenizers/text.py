@@ -19,19 +19,15 @@ package ``r-cran-janeaustenr`` by ``austen_novels`` without needing R.
 
 from __future__ import annotations
 
-import bz2
-import gzip
-import lzma
 import os
-import struct
 import warnings
-import zlib
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 import torch
 from torch import Tensor, nn
 
+from omni.data.rdata import read_lazyload
 from omni.segment import Role, Segment
 from omni.tokenizers.base import Tokenizer, TypeEmbedding, register_tokenizer
 
@@ -392,7 +388,7 @@ def austen_novels(root: str | os.PathLike | None = None) -> dict[str, list[str]]
     (``emma``, ``prideprejudice`` ...).
 
     Reads the R lazy-load database of the ``janeaustenr`` package (Debian package
-    ``r-cran-janeaustenr``) directly, so R itself is not needed: ``root`` is the package
+    ``r-cran-janeaustenr``) with ``omni.data.rdata``, so R itself is not needed: ``root`` is the package
     folder or any folder above it (e.g. where ``dpkg-deb -x`` unpacked the .deb).
     Paragraphs are the blank-line separated blocks with their hard line breaks joined by
     one space; chapter headings are paragraphs too. ``root`` None is ``austen_dir()``.
@@ -405,21 +401,16 @@ def austen_novels(root: str | os.PathLike | None = None) -> dict[str, list[str]]
             "`apt-get download r-cran-janeaustenr && dpkg-deb -x r-cran-janeaustenr_*.deb DIR`) and pass that "
             f"folder or set {AUSTEN_ENV} to it"
         )
-    index = _r_unserialize(gzip.decompress(rdx.read_bytes()))
-    variables = index["variables"]
     novels: dict[str, list[str]] = {}
-    with open(rdx.with_suffix(".rdb"), "rb") as db:
-        for name, (offset, length) in variables.items():
-            db.seek(offset)
-            lines = _r_unserialize(_r_chunk(db.read(length)))
-            paragraphs, block = [], []
-            for line in [*lines, ""]:
-                if line is not None and line.strip():
-                    block.append(line.strip())
-                elif block:
-                    paragraphs.append(" ".join(block))
-                    block = []
-            novels[name] = paragraphs
+    for name, lines in read_lazyload(rdx).items():
+        paragraphs, block = [], []
+        for line in [*lines, ""]:
+            if line is not None and line.strip():
+                block.append(line.strip())
+            elif block:
+                paragraphs.append(" ".join(block))
+                block = []
+        novels[name] = paragraphs
     return novels
 
 
@@ -445,81 +436,3 @@ def fit_default_asset(
     tok = TextTokenizer().fit(texts, vocab_size=vocab_size, min_frequency=min_frequency)
     tok.save_state(Path(out_dir))
     return Path(out_dir) / TOKENIZER_FILE
-
-
-def _r_chunk(chunk: bytes) -> bytes:
-    """One object of an R lazy-load .rdb: 4-byte big-endian length, then (R >= 2.10) a type
-    byte Z/2/X/0 for zlib/bzip2/xz/none, else a bare zlib stream."""
-    (size,) = struct.unpack(">I", chunk[:4])
-    kind, body = chunk[4:5], chunk[5:]
-    data = {
-        b"Z": zlib.decompress,
-        b"2": bz2.decompress,
-        b"X": lzma.decompress,
-        b"0": bytes,
-    }.get(kind, lambda _: zlib.decompress(chunk[4:]))(body)
-    if len(data) != size:
-        raise ValueError(f"corrupt R lazy-load chunk: expected {size} bytes, got {len(data)}")
-    return data
-
-
-def _r_unserialize(data: bytes) -> Any:
-    """Minimal reader of R's XDR serialization, enough for character/integer vectors and
-    named lists: strings -> str, vectors -> list, named lists -> dict, NULL -> None."""
-    if data[:2] != b"X\n":
-        raise ValueError("not an R XDR serialization stream")
-    pos = 2
-    refs: list[Any] = []
-
-    def integer() -> int:
-        nonlocal pos
-        (v,) = struct.unpack_from(">i", data, pos)
-        pos += 4
-        return v
-
-    def item() -> Any:
-        nonlocal pos
-        flags = integer()
-        kind, levels = flags & 0xFF, flags >> 12
-        if kind == 254:  # NILVALUE_SXP
-            return None
-        if kind == 255:  # REFSXP: index into earlier symbols
-            return refs[(flags >> 8) - 1]
-        if kind == 1:  # SYMSXP
-            refs.append(item())
-            return refs[-1]
-        if kind == 9:  # CHARSXP
-            n = integer()
-            if n == -1:
-                return None  # NA_character_
-            raw = data[pos : pos + n]
-            pos += n
-            return raw.decode("latin-1" if levels & 4 else "utf-8")
-        if kind == 2:  # LISTSXP (pairlist: attributes)
-            if flags & (1 << 9):
-                item()  # attributes of the pairlist cell itself: unused
-            tag = item() if flags & (1 << 10) else None
-            out = {tag: item()}
-            return {**out, **(item() or {})}
-        if kind in (10, 13, 14, 16, 19):  # LGL, INT, REAL, STR, VEC
-            n = integer()
-            if kind in (10, 13):
-                value: list[Any] = list(struct.unpack_from(f">{n}i", data, pos))
-                pos += 4 * n
-            elif kind == 14:
-                value = list(struct.unpack_from(f">{n}d", data, pos))
-                pos += 8 * n
-            else:
-                value = [item() for _ in range(n)]
-            attrs = item() if flags & (1 << 9) else None
-            if attrs and isinstance(attrs.get("names"), list) and len(attrs["names"]) == n:
-                return dict(zip(attrs["names"], value))
-            return value
-        raise ValueError(f"unsupported R object type {kind} in serialization stream")
-
-    version = integer()
-    integer(), integer()  # writer R version, minimal reader R version
-    if version == 3:  # followed by the writer's native-encoding name
-        n = integer()
-        pos += n
-    return item()
