@@ -41,6 +41,7 @@ from omni.tokenizers.base import (NotARegularFileError, Tokenizer, TypeEmbedding
 __all__ = [
     "AudioEmbedder",
     "AudioTokenizer",
+    "ClipTooLong",
     "load_audio",
     "log_mel",
     "log_mel_floor",
@@ -71,6 +72,11 @@ _TORCH_INT_TO_NUMPY = {torch.int8: np.int8, torch.uint8: np.uint8, torch.int16: 
 # A numpy/torch layout mix-up turns (2, 16000) into 16000 "channels"; no real recording has
 # this many channels *and* more channels than samples, so that shape is reported, not averaged.
 _MAX_PLAUSIBLE_CHANNELS = 64
+
+
+class ClipTooLong(ValueError):
+    """A clip longer than the tokenizer's ``max_seconds`` under ``truncation="error"``: a caller that drops
+    such clips (a cut clip would not match its transcript) catches this type."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -361,7 +367,7 @@ class AudioTokenizer(Tokenizer):
 
     Inputs: see the module docstring (bytes, paths, arrays, (array, rate), HF dicts; any rate,
     any channel count). Positions are the token's time index (0, 1, 2 ... at 50 Hz by default).
-    Clips longer than ``max_seconds`` raise (``truncation="error"``) or are cut with a warning
+    Clips longer than ``max_seconds`` raise ClipTooLong (``truncation="error"``) or are cut with a warning
     naming the key (``truncation="truncate"``); ``max_seconds=None`` removes the limit.
     Silent audio is valid (every token equals the floor, -1.5).
     """
@@ -451,7 +457,7 @@ class AudioTokenizer(Tokenizer):
             if wave.shape[0] > limit:
                 seconds = wave.shape[0] / rate
                 if self.truncation == "error":
-                    raise ValueError(
+                    raise ClipTooLong(
                         f"{_where(key)}: {seconds:.2f} s is longer than max_seconds={self.max_seconds:g}; "
                         "shorten it or use truncation='truncate'"
                     )
