@@ -29,12 +29,13 @@ import os
 import sys
 import textwrap
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Iterable, Mapping, NoReturn
+from typing import Any, Callable, Iterable, Mapping, NoReturn, TypeVar
 
 from omni.trunk import PRESETS as TRUNKS
 from omni.trunk import TrunkConfig
 
 TRUNK_FIELDS = tuple(f.name for f in dataclasses.fields(TrunkConfig))
+T = TypeVar("T")
 
 # ---------------------------------------------------------------------------------------------------
 # Typed keys
@@ -381,6 +382,22 @@ def train_config(cfg: Mapping[str, Any], **fields: Any):
 
     names = {f.name for f in dataclasses.fields(TrainConfig)}
     return TrainConfig(**{"output_dir": cfg["out"], **{n: v for n, v in cfg.items() if n in names}, **fields})
+
+
+def rank_zero_first(build: Callable[[], T], rank: int, world: int) -> T:
+    """``build()`` on rank 0 first, then on the other ranks once rank 0 is done: rank 0 builds or caches
+    what is missing, the others find it there (so ``build`` must skip what exists). One process (plain
+    python): just ``build()``. Under accelerate launch / torchrun the process group is up (``process_state``
+    starts it) and every rank, 0 included, meets at one barrier."""
+    import torch.distributed as dist
+
+    if rank == 0:
+        result = build()
+    if world > 1:
+        dist.barrier()
+    if rank != 0:
+        result = build()
+    return result
 
 
 # ---------------------------------------------------------------------------------------------------

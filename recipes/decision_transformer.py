@@ -28,8 +28,8 @@ from typing import Any
 
 import torch
 
-from omni.config import (FRACTION, NON_EMPTY, POSITIVE, Check, Key, at_least, one_of, recipe_config, recipe_parser,
-                          run_recipe, train_config)
+from omni.config import (FRACTION, NON_EMPTY, POSITIVE, Check, Key, at_least, one_of, rank_zero_first, recipe_config,
+                          recipe_parser, run_recipe, train_config)
 from omni.data.shards import read_manifest
 from omni.deps import require
 from omni.rl import (
@@ -114,6 +114,7 @@ def parse_args(argv=None) -> dict:
 
 
 def load_data(cfg: dict) -> tuple[dict, list[dict]]:
+    """(manifest, training episodes) of ``data``, recorded there first when missing."""
     data = Path(cfg["data"])
     if not (data / "manifest.json").is_file():
         from omni.data.builders_rl import build_gym
@@ -210,11 +211,7 @@ def main(argv=None) -> dict:
     gym = require("gymnasium")
     state = process_state()
     device = state.device
-    if state.is_main_process:
-        manifest, episodes = load_data(cfg)  # builds the dataset once
-    state.wait_for_everyone()
-    if not state.is_main_process:
-        manifest, episodes = load_data(cfg)
+    manifest, episodes = rank_zero_first(lambda: load_data(cfg), state.process_index, state.num_processes)
     spaces = SpaceSpec.from_manifest(manifest)
     limit = gym.spec(cfg["env"]).max_episode_steps or max(len(ep["actions"]) for ep in episodes)
     ref, ref_source = reference_returns(manifest, episodes)

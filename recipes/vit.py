@@ -13,15 +13,14 @@
 from __future__ import annotations
 
 import math
-import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from omni.config import (FRACTION, POSITIVE, Key, at_least, between, one_of, recipe_config, recipe_parser,
-                          run_recipe, train_config)
+from omni.config import (FRACTION, POSITIVE, Key, at_least, between, one_of, rank_zero_first, recipe_config,
+                          recipe_parser, run_recipe, train_config)
 from omni.data.memory import TensorLoader, materialise
 from omni.data.reader import ShardLoader
 from omni.data.shards import read_manifest
@@ -130,18 +129,20 @@ def stack(items):
     return torch.stack(images), torch.tensor(labels)
 
 
+def fashion_mnist(data: Path) -> None:
+    """Build Fashion-MNIST shards in ``data`` unless they are there."""
+    if not (data / "manifest.json").is_file():
+        from omni.data.builders_vision import build_fashion_mnist
+
+        print(f"building Fashion-MNIST shards in {data} ...", flush=True)
+        build_fashion_mnist(out=data)
+
+
 def build_data(cfg: dict, rank: int, world: int, device: torch.device):
     data = Path(cfg["data"])
-    if not (data / "manifest.json").is_file():
-        if cfg["build"] != "fashion-mnist":
-            raise FileNotFoundError(f"{data}/manifest.json not found: build the dataset with `omni data ...`")
-        if rank == 0:
-            from omni.data.builders_vision import build_fashion_mnist
-
-            print(f"building Fashion-MNIST shards in {data} ...", flush=True)
-            build_fashion_mnist(out=data)
-        if world > 1:
-            torch.distributed.barrier()
+    if not (data / "manifest.json").is_file() and cfg["build"] != "fashion-mnist":
+        raise FileNotFoundError(f"{data}/manifest.json not found: build the dataset with `omni data ...`")
+    rank_zero_first(lambda: fashion_mnist(data), rank, world)
     manifest = read_manifest(data / "manifest.json")
     names = manifest.get("class_names") or manifest.get("classes")
     loaders = {}
