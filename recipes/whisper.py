@@ -27,22 +27,22 @@ from __future__ import annotations
 import json
 import math
 import time
-import warnings
+from functools import partial
 from pathlib import Path
-from typing import Any
 
 import torch
 
-from omni.config import (POSITIVE, Key, at_least, check_corpus, keywords_of, one_of, recipe_config,
+from omni.config import (POSITIVE, Key, at_least, check_corpus, keywords_of, one_of, rank_zero_first, recipe_config,
                           recipe_parser, run_recipe, train_config)
 from omni.data.builders_speech import build_speech_synth
+from omni.data.clips import DecodeClip
 from omni.data.reader import ShardLoader
 from omni.data.shards import read_manifest
 from omni.deps import require
 from omni.speech import (SpeechCollate, SpeechLoss, SpeechRecognizer, ctc_greedy_decode, error_counts,
                          greedy_decode, speech_example)
 from omni.tokenizers.audio import AudioTokenizer
-from omni.tokenizers.text import TextTokenizer
+from omni.tokenizers.text import IGNORE_INDEX, TextTokenizer
 from omni.train import Trainer, process_state, unwrap
 from omni.trunk import preset
 
@@ -91,46 +91,27 @@ def parse_args(argv=None) -> dict:
 # ---------------------------------------------------------------------------------------------------
 # Data
 
-AUDIO_FIELDS = ("flac", "wav", "mp3", "ogg", "opus")
-
-
-class DecodeSpeech:
-    """Raw shard sample -> SpeechCollate item. Picklable for data workers. Clips longer than the audio
-    tokenizer's max_seconds are dropped (a truncated clip would not match its transcript)."""
-
-    def __init__(self, audio: AudioTokenizer, text: TextTokenizer) -> None:
-        self.audio, self.text = audio, text
-
-    def __call__(self, sample: dict) -> dict[str, Any] | None:
-        key = sample.get("__key__", "")
-        field = next((f for f in AUDIO_FIELDS if f in sample), None)
-        if field is None or "txt" not in sample:
-            raise ValueError(f"sample {key!r} needs an audio field ({', '.join(AUDIO_FIELDS)}) and a .txt transcript")
-        transcript = sample["txt"].decode("utf-8").strip()
-        try:
-            return speech_example(self.audio, self.text, sample[field], transcript, key=key)
-        except ValueError as exc:
-            if "longer than max_seconds" in str(exc):
-                warnings.warn(f"dropping {key!r}: {exc}", stacklevel=2)
-                return None
-            raise
-
 
 def ensure_data(cfg: dict, rank: int, world: int) -> Path:
+    """The dataset directory ``data``; synthesised there (rank 0, the others wait) when missing and ``build``
+    is set."""
     data = Path(cfg["data"])
-    if not (data / "manifest.json").is_file():
-        if not cfg["build"]:
-            raise FileNotFoundError(f"{data}/manifest.json not found: build the dataset with "
-                                    "`omni data speech-synth` or `omni data librispeech`")
-        if rank == 0:
-            build = {"text": cfg["text"], "seed": cfg["seed"], **cfg["build"]}
-            check_corpus(build["text"])
-            require("espeakng_loader")
-            print(f"synthesising speech shards in {data} ...", flush=True)
-            build_speech_synth(data, **build)
-        if world > 1:
-            torch.distributed.barrier()
+    if not (data / "manifest.json").is_file() and not cfg["build"]:
+        raise FileNotFoundError(f"{data}/manifest.json not found: build the dataset with "
+                                "`omni data speech-synth` or `omni data librispeech`")
+    rank_zero_first(lambda: synthesise(cfg, data), rank, world)
     return data
+
+
+def synthesise(cfg: dict, data: Path) -> None:
+    """Synthesise the speech dataset in ``data`` unless it is there."""
+    if (data / "manifest.json").is_file():
+        return
+    build = {"text": cfg["text"], "seed": cfg["seed"], **cfg["build"]}
+    check_corpus(build["text"])
+    require("espeakng_loader")
+    print(f"synthesising speech shards in {data} ...", flush=True)
+    build_speech_synth(data, **build)
 
 
 def read_transcripts(data: Path, split: str, max_corrupt_fraction: float) -> list[str]:
@@ -147,13 +128,14 @@ def _transcript(sample: dict) -> str:
 def make_text_tokenizer(cfg: dict, data: Path, rank: int, world: int) -> TextTokenizer:
     if cfg["bpe_vocab"] is None:
         return TextTokenizer()
-    path = Path(cfg["out"]) / "tokenizers" / "text"
-    if rank == 0 and not (path / "tokenizer.json").is_file():
+    return rank_zero_first(lambda: fit_bpe(cfg, data, Path(cfg["out"]) / "tokenizers" / "text"), rank, world)
+
+
+def fit_bpe(cfg: dict, data: Path, path: Path) -> TextTokenizer:
+    """The ``bpe_vocab``-token BPE of the training transcripts, fitted and saved in ``path`` unless it is there."""
+    if not (path / "tokenizer.json").is_file():
         transcripts = read_transcripts(data, "train", cfg["max_corrupt_fraction"])
-        tok = TextTokenizer().fit(transcripts, vocab_size=cfg["bpe_vocab"])
-        tok.save(path)
-    if world > 1:
-        torch.distributed.barrier()
+        TextTokenizer().fit(transcripts, vocab_size=cfg["bpe_vocab"]).save(path)
     return TextTokenizer.load(path)
 
 
@@ -176,7 +158,7 @@ class Scorer:
         ctc = m.ctc_head is not None
         logits, ctc_logits = m(batch.audio, batch.audio_mask, batch.text, ctc=True) if ctc else \
             (m(batch.audio, batch.audio_mask, batch.text), None)
-        keep = batch.targets != -100
+        keep = batch.targets != IGNORE_INDEX
         nll = torch.nn.functional.cross_entropy(logits.float().transpose(1, 2), batch.targets, reduction="none")
         if self.limit is None or self.samples < self.limit:
             memory = m.encode(batch.audio, batch.audio_mask)
@@ -213,7 +195,7 @@ def main(argv=None) -> dict:
     eval_split = "test" if "test" in manifest["splits"] else next((s for s in manifest["splits"] if s != "train"), None)
     audio = AudioTokenizer(max_seconds=cfg["max_seconds"])
     text = make_text_tokenizer(cfg, data, rank, world)
-    decode = DecodeSpeech(audio, text)
+    decode = DecodeClip(partial(speech_example, audio, text))
     collate = SpeechCollate(text.pad_id)
     workers = cfg["workers"] if state.device.type == "cuda" else min(cfg["workers"], 2)
     loader = dict(num_workers=workers, rank=rank, world_size=world, max_corrupt_fraction=cfg["max_corrupt_fraction"])
