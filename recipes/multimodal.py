@@ -2,7 +2,8 @@
 offline RL (a Gymnasium dataset) and text language modelling, every batch PACKING samples of different
 modalities and lengths into fixed rows with the modality-aware mask (omni/packing.py): bidirectional
 inside image/audio spans, causal inside text/action spans, prefix-LM where a transcript follows its audio,
-never across samples. Tasks, mixing and losses: omni/multitask.py.
+never across samples. Tasks, mixing and losses: omni/multitask.py; what the recipe knows of each task kind
+(its Task class, evaluation options, results row): omni/task_kinds.py.
 
     python recipes/multimodal.py                          # preset for the device (base on CUDA, tiny on CPU)
     python recipes/multimodal.py --preset tiny            # CPU smoke run (small data, built on first use)
@@ -110,19 +111,21 @@ import json
 import math
 import os
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
 import torch
 
-from omni.config import (NON_EMPTY, Check, Key, at_least, check_corpus, keywords_of, one_of, recipe_config,
-                          recipe_parser, run_recipe, train_config)
+from omni.config import (NON_EMPTY, Check, Key, at_least, check_corpus, keywords_of, one_of, rank_zero_first,
+                          recipe_config, recipe_parser, run_recipe, train_config)
 from omni.data.builders_speech import build_speech_synth
+from omni.data.clips import DecodeClip, log_mel_tokens
 from omni.deps import require
-from omni.multitask import (ActionTask, ClassifyTask, LMTask, MixtureLoader, MultitaskModel, Task, TranscribeTask,
-                            merge_tokenizers, multitask_loss)
+from omni.multitask import MixtureLoader, MultitaskModel, Task, merge_tokenizers, multitask_loss
 from omni.segment import Segment
+from omni.task_kinds import KINDS, task_kind
 from omni.train import Trainer, process_state, unwrap
 from omni.trunk import preset
 
@@ -151,7 +154,7 @@ SYNTH_ASR = dict(kind="transcribe", source="speech-synth", weight=1.0, loss_weig
 COUNT = Key(type=int, check=at_least(1))
 # What a task entry takes (each kind reads its own entries; `tokenizer` ... `n_classes`: a user task).
 TASK = Key(type=dict, entries=dict(
-    kind=Key(type=str, check=one_of("classify", "transcribe", "action", "lm")), source=Key(type=str),
+    kind=Key(type=str, check=one_of(*KINDS)), source=Key(type=str),
     weight=Key(type=float, check=at_least(0), help="sampling weight"),
     loss_weight=Key(type=float, check=at_least(0), help="factor on the task's mean loss"),
     patch=COUNT, limit_train=Key(), limit_eval=Key(), limit=Key(type=(int, None), check=at_least(1)),
@@ -243,25 +246,23 @@ def parse_args(argv=None) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------------
-# Data: each builder returns {"train": ..., "test": ...}; rank 0 builds caches under cfg["cache"].
+# Data: each source (SOURCES) returns {"train": data, "test": data}, the keyword arguments of its kind's Task
+# (omni.task_kinds); rank 0 builds caches under cfg["cache"]. ``text``: the shipped bpe-8k BPE, shared by every
+# text-using task (one embedder, one tied LM head).
 
 
-def _text_tokenizer():
-    """The shipped bpe-8k BPE, shared by every text-using task (one embedder, one tied LM head)."""
-    from omni.tokenizers.text import TextTokenizer
-
-    return TextTokenizer()
-
-
-def fashion_mnist(spec: dict, cfg: dict) -> dict[str, tuple[list, list]]:
+def fashion_mnist(spec: dict, cfg: dict, text) -> dict[str, dict[str, Any]]:
     from omni.data.builders_vision import locate_fashion_mnist, read_idx
+    from omni.tokenizers.image import ImageTokenizer
 
+    image = ImageTokenizer(patch_size=spec["patch"], channels=1, image_size=28, policy="resize")
     folder = locate_fashion_mnist(None, Path(cfg["cache"]) / "fashion-mnist")
     out = {}
     for split, stem, limit in (("train", "train", spec.get("limit_train")), ("test", "t10k", spec.get("limit_eval"))):
         images = read_idx(next(folder.glob(f"{stem}-images-idx3-ubyte*")))[:limit]
         labels = read_idx(next(folder.glob(f"{stem}-labels-idx1-ubyte*")))[:limit]
-        out[split] = ([torch.from_numpy(x.copy())[None] for x in images], labels.astype(np.int64).tolist())
+        out[split] = {"tokenizer": image, "items": [torch.from_numpy(x.copy())[None] for x in images],
+                      "labels": labels.astype(np.int64).tolist(), "n_classes": 10}
     return out
 
 
@@ -274,10 +275,12 @@ def corpus_tag(text: list[str] | None) -> str:
     return "-" + hashlib.sha256(json.dumps(stats).encode()).hexdigest()[:12]
 
 
-def speech_synth(spec: dict, cfg: dict, audio) -> dict[str, tuple[list, list]]:
+def speech_synth(spec: dict, cfg: dict, text) -> dict[str, dict[str, Any]]:
     """Synthesised utterances of the corpus (``text``), encoded once to log-mel tokens and cached (the mel
     extraction is the CPU cost)."""
-    seed = cfg["seed"]
+    from omni.tokenizers.audio import AudioTokenizer
+
+    seed, audio = cfg["seed"], AudioTokenizer()
 
     def build() -> dict[str, dict[str, list]]:
         from omni.data.builders_speech import load_paragraphs, split_sentences_by_seed
@@ -296,39 +299,42 @@ def speech_synth(spec: dict, cfg: dict, audio) -> dict[str, tuple[list, list]]:
                 sentence = pool[int(rng.integers(len(pool)))]
                 voice = spec["voices"][int(rng.integers(len(spec["voices"])))]
                 rate = int(rng.integers(spec["rates"][0], spec["rates"][1] + 1))
-                _, flac, _, text = render_utterance((f"{split}{i}", sentence, voice, rate, 50, None, "white",
-                                                     seed * 1000 + i, audio.sample_rate))
+                _, flac, _, transcript = render_utterance((f"{split}{i}", sentence, voice, rate, 50, None,
+                                                           "white", seed * 1000 + i, audio.sample_rate))
                 tokens.append(audio.encode(flac, key=f"{split}{i}").tokens)
-                texts.append(text)
+                texts.append(transcript)
             data[split] = {"tokens": tokens, "text": texts}
         return data
 
     name = f"speech-{spec['train']}-{spec['test']}-{spec['max_words']}{corpus_tag(cfg['text'])}.pt"
-    return _cached_audio(Path(cfg["cache"]) / name, build, audio)
+    return _cached_audio(Path(cfg["cache"]) / name, build, spec, audio, text)
 
 
-def _cached_audio(path: Path, build: Callable[[], dict[str, dict[str, list]]], audio) -> dict[str, tuple[list, list]]:
+def _cached_audio(path: Path, build: Callable[[], dict[str, dict[str, list]]], spec: dict, audio,
+                  text) -> dict[str, dict[str, Any]]:
     """``build()``'s {split: {"tokens": [log-mel tokens], "text": [...]}} computed once and saved atomically to
-    ``path`` (temp file, then rename), then loaded as ({split: (audio Segments, transcripts)})."""
+    ``path`` (temp file, then rename), then loaded as the transcribe task's data (audio Segments, transcripts)."""
     if not path.is_file():
         data = build()
         path.parent.mkdir(parents=True, exist_ok=True)
         torch.save(data, str(path) + ".tmp")
         Path(str(path) + ".tmp").replace(path)
     data = torch.load(path)
-    return {split: ([Segment("audio", t, torch.arange(t.shape[0]), audio.role) for t in d["tokens"]], d["text"])
-            for split, d in data.items()}
+    return {split: {"audio": audio, "text": text, "transcripts": d["text"],
+                    "clips": [Segment("audio", t, torch.arange(t.shape[0]), audio.role) for t in d["tokens"]],
+                    "ctc_weight": float(spec.get("ctc_weight", 0.0))} for split, d in data.items()}
 
 
-def speech_shards(spec: dict, cfg: dict, audio) -> dict[str, tuple[list, list]]:
+def speech_shards(spec: dict, cfg: dict, text) -> dict[str, dict[str, Any]]:
     """recipes/whisper.py's dataset (``spec["shards"]``, built with ``spec["build"]`` as that recipe builds it if
     missing): the same train and test clips, encoded once to log-mel tokens and cached under ``cache``. Clips
     longer than the audio tokenizer's max_seconds are dropped, as recipes/whisper.py drops them."""
     import warnings
 
     from omni.data.reader import ShardLoader
+    from omni.tokenizers.audio import AudioTokenizer
 
-    data = Path(spec["shards"])
+    audio, data = AudioTokenizer(), Path(spec["shards"])
     if not (data / "manifest.json").is_file():
         if not spec.get("build"):
             raise FileNotFoundError(f"{data}/manifest.json not found: build it with `omni data speech-synth`")
@@ -340,7 +346,7 @@ def speech_shards(spec: dict, cfg: dict, audio) -> dict[str, tuple[list, list]]:
     digest = hashlib.sha256((data / "manifest.json").read_bytes()).hexdigest()[:12]
 
     def build() -> dict[str, dict[str, list]]:
-        decode = _DecodeClip(audio)
+        decode = DecodeClip(partial(log_mel_tokens, audio), warn=False)
         out = {}
         for split in ("train", "test"):
             loader = ShardLoader(data, decode, list, batch_size=256, split=split, rank=0, world_size=1,
@@ -352,30 +358,10 @@ def speech_shards(spec: dict, cfg: dict, audio) -> dict[str, tuple[list, list]]:
             out[split] = {"tokens": [t for t, _ in items], "text": [x for _, x in items]}
         return out
 
-    return _cached_audio(Path(cfg["cache"]) / f"speech-shards-{digest}.pt", build, audio)
+    return _cached_audio(Path(cfg["cache"]) / f"speech-shards-{digest}.pt", build, spec, audio, text)
 
 
-class _DecodeClip:
-    """Shard sample -> (log-mel tokens, transcript), None for a clip over max_seconds (recipes/whisper.py)."""
-
-    def __init__(self, audio) -> None:
-        self.audio = audio
-
-    def __call__(self, sample: dict):
-        key = sample.get("__key__", "")
-        field = next((f for f in ("flac", "wav", "mp3", "ogg", "opus") if f in sample), None)
-        if field is None or "txt" not in sample:
-            raise ValueError(f"sample {key!r} needs an audio field and a .txt transcript")
-        try:
-            tokens = self.audio.encode(sample[field], key=key).tokens
-        except ValueError as exc:
-            if "longer than max_seconds" in str(exc):
-                return None
-            raise
-        return tokens, sample["txt"].decode("utf-8").strip()
-
-
-def gym_episodes(spec: dict, cfg: dict) -> tuple[dict[str, list], Any, tuple[float, float]]:
+def gym_episodes(spec: dict, cfg: dict, text) -> dict[str, dict[str, Any]]:
     gym = require("gymnasium")
     from omni.data.builders_rl import build_gym
     from omni.data.shards import read_manifest
@@ -395,7 +381,9 @@ def gym_episodes(spec: dict, cfg: dict) -> tuple[dict[str, list], Any, tuple[flo
     limit = gym.spec(spec["env"]).max_episode_steps or longest
     tok = make_tokenizer(episodes[:-n_eval], SpaceSpec.from_manifest(manifest), context=spec["context"],
                          max_timestep=max(limit, longest) + 1)
-    return {"train": episodes[:-n_eval], "test": episodes[-n_eval:]}, tok, reference_returns(manifest, episodes)[0]
+    reference = reference_returns(manifest, episodes)[0]
+    return {split: {"tokenizer": tok, "episodes": eps, "env_id": spec["env"], "reference": reference}
+            for split, eps in (("train", episodes[:-n_eval]), ("test", episodes[-n_eval:]))}
 
 
 def text_corpus(spec: dict, cfg: dict, text) -> dict[str, list[str]]:
@@ -417,6 +405,11 @@ def text_corpus(spec: dict, cfg: dict, text) -> dict[str, list[str]]:
     return {"train": train, "test": keep[-n_eval:]}
 
 
+def austen(spec: dict, cfg: dict, text) -> dict[str, dict[str, Any]]:
+    """The lm task's data: ``text_corpus`` on the shared text tokenizer."""
+    return {split: {"tokenizer": text, "texts": texts} for split, texts in text_corpus(spec, cfg, text).items()}
+
+
 def import_callable(path: str):
     module, _, attr = path.partition(":")
     if not attr:
@@ -424,65 +417,52 @@ def import_callable(path: str):
     return getattr(importlib.import_module(module), attr)
 
 
+def user_data(spec: dict, cfg: dict, text) -> dict[str, dict[str, Any]]:
+    """A user task (config only): ``data``, a 'module:function' returning (items, labels) for a split, read as
+    the task's kind reads them."""
+    fn, read = import_callable(spec["data"]), KINDS[spec["kind"]].from_items
+    return {split: read(spec, *fn(split=split, seed=cfg["seed"], **spec.get("data_kwargs", {})), text)
+            for split in ("train", "test")}
+
+
+Source = Callable[[dict, dict, Any], dict[str, dict[str, Any]]]  # (task entry, cfg, text tokenizer) -> split data
+SOURCES: dict[str, tuple[str, Source]] = {  # a task entry's `source` -> (the kind it feeds, its data)
+    "fashion-mnist": ("classify", fashion_mnist),
+    "speech-synth": ("transcribe", speech_synth),
+    "speech-shards": ("transcribe", speech_shards),
+    "gym": ("action", gym_episodes),
+    "austen": ("lm", austen),
+}
+
+
+def task_source(name: str, spec: dict) -> Source:
+    """Where a task's data come from: ``user_data`` for a task with a data callable, else its ``source``."""
+    kind = spec["kind"]
+    if "data" in spec:
+        if KINDS[kind].from_items is None:
+            takes = " or ".join(k for k, v in KINDS.items() if v.from_items is not None)
+            raise ValueError(f"task {name!r}: kind {kind!r} with a data callable must be {takes}")
+        return user_data
+    feeds, source = SOURCES.get(spec.get("source"), (None, None))
+    if feeds != kind:
+        built_in = ", ".join(f"{k}/{s}" for s, (k, _) in SOURCES.items())
+        raise ValueError(f"task {name!r}: unknown kind/source {kind!r}/{spec.get('source')!r} (built in: {built_in}; "
+                         "or give tokenizer + data)")
+    return source
+
+
 def build_tasks(cfg: dict) -> dict[str, list[Task]]:
     """{"train": tasks, "test": tasks} (the same tokenizers, held-out data for test)."""
-    from omni.tokenizers import build_tokenizer
-    from omni.tokenizers.audio import AudioTokenizer
-    from omni.tokenizers.image import ImageTokenizer
+    from omni.tokenizers.text import TextTokenizer
 
-    seed = cfg["seed"]
+    text = TextTokenizer()
     out: dict[str, list[Task]] = {"train": [], "test": []}
-    text = None
     for name, spec in cfg["tasks"].items():
-        kind, w, lw = spec["kind"], float(spec.get("weight", 1.0)), float(spec.get("loss_weight", 1.0))
-        if "data" in spec:  # a user task: registered tokenizer + data callable (config only)
-            fn = import_callable(spec["data"])
-            for split in out:
-                items, labels = fn(split=split, seed=seed, **spec.get("data_kwargs", {}))
-                if kind == "classify":
-                    tok = build_tokenizer(spec["tokenizer"], **spec.get("tokenizer_kwargs", {}))
-                    out[split].append(ClassifyTask(name, tok, items, labels, int(spec["n_classes"]), weight=w,
-                                                   loss_weight=lw))
-                elif kind == "lm":
-                    text = text or _text_tokenizer()
-                    out[split].append(LMTask(name, text, items, weight=w, loss_weight=lw))
-                else:
-                    raise ValueError(f"task {name!r}: kind {kind!r} with a data callable must be classify or lm")
-            continue
-        source = spec.get("source")
-        if kind == "classify" and source == "fashion-mnist":
-            image = ImageTokenizer(patch_size=spec["patch"], channels=1, image_size=28, policy="resize")
-            for split, (items, labels) in fashion_mnist(spec, cfg).items():
-                out[split].append(ClassifyTask(name, image, items, labels, 10, weight=w, loss_weight=lw))
-        elif kind == "transcribe" and source in ("speech-synth", "speech-shards"):
-            audio, text = AudioTokenizer(), text or _text_tokenizer()
-            build = speech_synth if source == "speech-synth" else speech_shards
-            for split, (clips, transcripts) in build(spec, cfg, audio).items():
-                out[split].append(TranscribeTask(name, audio, text, clips, transcripts, weight=w, loss_weight=lw,
-                                                 ctc_weight=float(spec.get("ctc_weight", 0.0))))
-        elif kind == "action" and source == "gym":
-            episodes, tok, reference = gym_episodes(spec, cfg)
-            for split, eps in episodes.items():
-                out[split].append(ActionTask(name, tok, eps, weight=w, loss_weight=lw, env_id=spec["env"],
-                                             reference=reference))
-        elif kind == "lm" and source == "austen":
-            text = text or _text_tokenizer()
-            for split, texts in text_corpus(spec, cfg, text).items():
-                out[split].append(LMTask(name, text, texts, weight=w, loss_weight=lw))
-        else:
-            raise ValueError(f"task {name!r}: unknown kind/source {kind!r}/{source!r} (built in: classify/fashion-mnist, "
-                             "transcribe/speech-shards|speech-synth, action/gym, lm/austen; or give tokenizer + data)")
+        make = KINDS[spec["kind"]].task
+        for split, data in task_source(name, spec)(spec, cfg, text).items():
+            out[split].append(make(name, weight=float(spec.get("weight", 1.0)),
+                                   loss_weight=float(spec.get("loss_weight", 1.0)), **data))
     return out
-
-
-def prepare(cfg: dict, state) -> dict[str, list[Task]]:
-    """Rank 0 builds the caches first; the other ranks then read them."""
-    if state.is_main_process:
-        tasks = build_tasks(cfg)
-    state.wait_for_everyone()
-    if not state.is_main_process:
-        tasks = build_tasks(cfg)
-    return tasks
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -490,7 +470,7 @@ def prepare(cfg: dict, state) -> dict[str, list[Task]]:
 
 def build(cfg: dict, rank: int = 0, world: int = 1):
     """(model, train loader, eval loader, tasks) for a config: what main trains, and what tests inspect."""
-    tasks = prepare(cfg, process_state())
+    tasks = rank_zero_first(lambda: build_tasks(cfg), rank, world)
     trunk = preset(cfg["trunk"], positions=cfg["positions"], **cfg["trunk_overrides"])
     torch.manual_seed(cfg["seed"])
     model = MultitaskModel(tasks["train"], trunk)
@@ -507,17 +487,6 @@ def build(cfg: dict, rank: int = 0, world: int = 1):
 # Task metrics: every task scored as its single-task recipe scores it (module docstring)
 
 
-def eval_options(task: Task, spec: dict, cfg: dict) -> dict[str, Any]:
-    """``Task.evaluate`` keyword arguments from the task's config entry."""
-    if task.kind in ("classify", "lm"):  # packed like training batches: rows x row_length tokens at a time
-        return {"row_length": cfg["row_length"], "rows": cfg["rows"]}
-    if task.kind == "transcribe":
-        return {"batch_size": spec.get("eval_batch_size", 64), "max_new_tokens": spec.get("max_new_tokens", 224)}
-    if task.kind == "action":  # seeds 10000.. as recipes/decision_transformer.py (disjoint from the data's)
-        return {"seeds": range(10_000, 10_000 + spec.get("eval_seeds", 5)), "target": spec.get("target")}
-    return {}
-
-
 def task_metrics(model, tasks: list[Task], cfg: dict) -> dict[str, dict[str, float]]:
     """{task: {metric: value, "seconds": time taken}} on the held-out tasks, for every task kind that has a
     metric (``Task.evaluate``); ``model`` is the OmniModel."""
@@ -526,7 +495,7 @@ def task_metrics(model, tasks: list[Task], cfg: dict) -> dict[str, dict[str, flo
         if type(t).evaluate is Task.evaluate:  # a plug-in Task subclass without a held-out metric
             continue
         t0 = time.time()
-        result = t.evaluate(model, **eval_options(t, cfg["tasks"][t.name], cfg))
+        result = t.evaluate(model, **task_kind(t.kind).eval_options(cfg["tasks"][t.name], cfg))
         out[t.name] = {**result, "seconds": round(time.time() - t0, 2)}
     return out
 
@@ -539,21 +508,7 @@ def results_table(results: dict[str, dict[str, float]], tasks: list[Task]) -> st
         r = results.get(t.name)
         if r is None:
             continue
-        if t.kind == "classify":
-            row = ("top-1 accuracy (%)", f"{100 * r['accuracy']:.2f}", f"loss {r['loss']:.4f}",
-                   f"{r['items']:.0f} test items")
-        elif t.kind == "transcribe":
-            also = f"WER {100 * r['wer']:.2f}%" + (f", CTC CER {100 * r['ctc_cer']:.2f}%" if "ctc_cer" in r else "")
-            row = ("CER (%)", f"{100 * r['cer']:.2f}", also, f"{r['utterances']:.0f} test utterances, greedy")
-        elif t.kind == "action":
-            row = ("normalised score", f"{r['score_mean']:.1f} ± {r['score_std']:.1f}",
-                   f"return {r['return_mean']:.1f} ± {r['return_std']:.1f} at target {r['target']:.1f}",
-                   f"{t.env_id} rollouts, {r['episodes']:.0f} seeds")
-        elif t.kind == "lm":
-            row = ("perplexity (token)", f"{r['ppl']:.2f}", f"{r['bpb']:.4f} bits/byte",
-                   f"{r['documents']:.0f} held-out documents, {r['tokens']:.0f} tokens")
-        else:
-            row = ("", ", ".join(f"{k} {v:.4g}" for k, v in r.items() if k != "seconds"), "", "")
+        row = task_kind(t.kind).row(t, r)
         lines.append(f"| {t.name} | " + " | ".join(row) + " |")
     return "\n".join(lines)
 
