@@ -370,46 +370,20 @@ def fsync_tree(directory: Path) -> None:
 # The built-in builder: an OmniModel from tokenizers + trunk + heads
 
 
-HEAD_TYPES = ("classification", "lm", "action")
-
-
 @register_builder("omni")
 def build_omni_model(config: dict[str, Any], tokenizers: dict[str, Any]) -> nn.Module:
     """OmniModel from ``config["trunk"]`` (TrunkConfig fields, or ``{"preset": name, **overrides}``) and
-    ``config["heads"]`` = {name: {"type": "classification" | "lm" | "action", **kwargs}}:
-        classification: n_classes, pool ("mean" | "cls")
-        lm:             vocab_size, tie_to (optional modality whose embedding table the head shares)
-        action:         n_outputs, discrete
-    ``d_model`` comes from the trunk."""
-    from omni.heads import ActionHead, ClassificationHead, LMHead
+    ``config["heads"]`` = {name: head spec}, each rebuilt by ``omni.heads.build_head`` (the registered types and
+    their options are listed there; ``d_model`` comes from the trunk)."""
+    from omni.heads import build_head
     from omni.model import OmniModel
     from omni.trunk import TrunkConfig, preset
 
     trunk_spec = dict(config.get("trunk", {}))
     trunk = preset(trunk_spec.pop("preset"), **trunk_spec) if "preset" in trunk_spec else TrunkConfig(**trunk_spec)
     model = OmniModel(tokenizers, trunk)
-    d = trunk.d_model
     for name, spec in config.get("heads", {}).items():
-        spec = dict(spec)
-        kind = spec.pop("type", None)
-        if kind == "classification":
-            head: nn.Module = ClassificationHead(d, **spec)
-        elif kind == "lm":
-            tie = spec.pop("tie_to", None)
-            table = None
-            if tie is not None:
-                if tie not in model.embedders:
-                    raise ValueError(f"LM head {name!r} ties to {tie!r}, which is not one of the model's "
-                                     f"modalities ({', '.join(model.embedders)})")
-                table = next((m for m in model.embedders[tie].modules() if isinstance(m, nn.Embedding)), None)
-                if table is None:
-                    raise ValueError(f"LM head {name!r} ties to {tie!r}, whose embedder has no nn.Embedding")
-            head = LMHead(d, tie_to=table, **spec)
-        elif kind == "action":
-            head = ActionHead(d, **spec)
-        else:
-            raise ValueError(f"head {name!r} has type {kind!r}; expected one of {', '.join(HEAD_TYPES)}")
-        model.heads[name] = head
+        model.heads[name] = build_head(spec, trunk.d_model, model.embedders, name)
     return model
 
 

@@ -1,19 +1,43 @@
 """OmniModel: modality embedders -> shared trunk -> task heads. A plain nn.Module; Accelerate,
-compile and parallelism wrap it from outside (omni/train.py)."""
+compile and parallelism wrap it from outside (omni/train.py).
+
+The model API. Every model on the trunk answers the same two calls (timm's split), and its ``forward`` is the
+second applied to the first:
+
+    features = model.forward_features(*inputs)    # trunk hidden states (B, T, d)
+    output = model.forward_head(features, *what)   # what forward returns
+
+    ImageClassifier      forward_features(images (B, C, H, W)) -> (B, n, d)
+                         forward_head(features) -> logits (B, classes)
+    SpeechRecognizer     forward_features(audio (B, S, F), audio_mask (B, S), text (B, T)) -> decoder states (B, T, d)
+                         forward_head(features) -> logits (B, T, vocab)
+    DecisionTransformer  forward_features(tokens (B, T, F), cache=None) -> (B, T, d)
+                         forward_head(features) -> action logits / actions (B, T, n_out)
+    OmniModel            forward_features(batch, mask=None) -> packed (B, T, d)
+                         forward_head(features, batch, head, modality) -> (S_m, out) per segment | (N_m, out)
+    MultitaskModel       forward_features(batch, mask=None) -> packed (B, T, d)
+                         forward_head(features, batch) -> (loss, per-task metrics)
+
+OmniModel holds many heads, so its ``forward`` stops at the features and ``forward_head`` names one. The heads
+themselves take tensors (omni.heads): (N, d) rows, or tokens + segment ids for a per-segment head.
+"""
 
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Any, Mapping
 
 import torch
 from torch import Tensor, nn
 
+from omni.heads import packed_segments
 from omni.packing import PackedBatch
 from omni.tokenizers.base import Tokenizer
 from omni.trunk import Mask, Trunk, TrunkConfig
 
 
 class OmniModel(nn.Module):
+    """Embedders (one per modality) -> Trunk over packed batches -> ``heads`` by name (the API above)."""
+
     def __init__(self, tokenizers: Mapping[str, Tokenizer], trunk: TrunkConfig,
                  heads: Mapping[str, nn.Module] | None = None) -> None:
         super().__init__()
@@ -37,13 +61,29 @@ class OmniModel(nn.Module):
             x = x.index_copy(0, batch.index[m], e.to(dtype))
         return x.view(B, T, -1)
 
-    def forward(self, batch: PackedBatch, mask: Mask | None = None) -> Tensor:
+    def forward_features(self, batch: PackedBatch, mask: Mask | None = None) -> Tensor:
         """Packed batch -> hidden states (B, T, d). ``mask`` defaults to the batch's packed mask."""
         if mask is None:
             mask = batch.attention_mask()
         return self.trunk(self.embed(batch), batch.positions, mask)
 
+    def forward_head(self, features: Tensor, batch: PackedBatch, head: str, modality: str) -> Tensor:
+        """Head ``head`` on the ``modality`` tokens of features (B, T, d): (S_m, out), one row per segment, for
+        a per-segment head (classification), else (N_m, out), one row per token in packing order."""
+        tokens, segment_ids, n_segments = packed_segments(features, batch, modality)
+        module = self.heads[head]
+        return module(tokens, segment_ids, n_segments) if getattr(module, "per_segment", False) else module(tokens)
+
+    def forward(self, batch: PackedBatch, mask: Mask | None = None) -> Tensor:
+        """= ``forward_features``: the heads are read by name with ``forward_head``."""
+        return self.forward_features(batch, mask)
+
+    def export_config(self) -> dict[str, Any]:
+        """config.json for ``omni.export.load_pretrained`` (the "omni" builder): trunk + every head's spec."""
+        return {"builder": "omni", "trunk": self.trunk_config.to_dict(),
+                "heads": {name: head.spec() for name, head in self.heads.items()}}
+
     @staticmethod
     def gather(hidden: Tensor, batch: PackedBatch, modality: str) -> Tensor:
         """The hidden states of one modality's tokens, (N_m, d), in packing order."""
-        return hidden.reshape(-1, hidden.shape[-1])[batch.index[modality]]
+        return packed_segments(hidden, batch, modality)[0]

@@ -71,7 +71,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from omni.data.memory import EpochCursor
-from omni.heads import ActionHead, ClassificationHead, LMHead
+from omni.heads import build_head, masked_action_loss
 from omni.model import OmniModel
 from omni.packing import BLOCK_SIZE, PackedBatch, Packer
 from omni.segment import Sample, Segment
@@ -144,8 +144,9 @@ def pack_mixed(samples: Sequence[Sample], tasks: Sequence[int], task_names: Sequ
 class Task:
     """Base: a named source of Samples plus the heads and loss that train on them.
 
-    Subclasses implement ``tokenizers``, ``__len__``, ``sample(i, rng)``, ``make_heads(model)``,
-    ``head_specs()`` (for export) and ``loss(model, hidden, batch, index)``.
+    Subclasses implement ``tokenizers``, ``__len__``, ``sample(i, rng)``, ``head_specs()`` (the heads as
+    ``omni.heads`` specs: ``make_heads`` builds them, the export rebuilds them) and ``loss(model, hidden, batch,
+    index)``, which reads the heads through ``model.forward_head``.
     """
 
     kind: str = "task"
@@ -167,11 +168,14 @@ class Task:
     def sample(self, i: int, rng: np.random.Generator) -> Sample:
         raise NotImplementedError
 
-    def make_heads(self, model: OmniModel) -> dict[str, nn.Module]:
+    def head_specs(self) -> dict[str, dict[str, Any]]:
+        """{head name: spec}: the heads this task trains, as ``omni.heads.build_head`` specs."""
         raise NotImplementedError
 
-    def head_specs(self) -> dict[str, dict[str, Any]]:
-        raise NotImplementedError
+    def make_heads(self, model: OmniModel) -> dict[str, nn.Module]:
+        """The heads of ``head_specs()``, built for ``model``'s trunk and embedders as the export rebuilds them."""
+        d = model.trunk_config.d_model
+        return {name: build_head(spec, d, model.embedders, name) for name, spec in self.head_specs().items()}
 
     def loss(self, model: OmniModel, hidden: Tensor, batch: MixedBatch, index: int) -> tuple[Tensor, dict[str, Tensor]]:
         raise NotImplementedError
@@ -260,15 +264,12 @@ class ClassifyTask(Task):
                       targets=torch.full((len(seg),), y, dtype=torch.long), meta=seg.meta)
         return Sample([seg], key=key, label=y)
 
-    def make_heads(self, model: OmniModel) -> dict[str, nn.Module]:
-        return {self.name: ClassificationHead(model.trunk_config.d_model, self.n_classes, pool=self.pool)}
-
     def head_specs(self) -> dict[str, dict[str, Any]]:
         return {self.name: {"type": "classification", "n_classes": self.n_classes, "pool": self.pool}}
 
     def logits(self, model: OmniModel, hidden: Tensor, batch: MixedBatch) -> Tensor:
         """(S_m, n_classes) for every segment of the modality (other tasks' segments included)."""
-        return model.heads[self.name](hidden, batch, self.modality)
+        return model.forward_head(hidden, batch, self.name, self.modality)
 
     def segment_labels(self, batch: MixedBatch) -> Tensor:
         """(S_m,) label of every segment (0 for segments without a label of this task)."""
@@ -307,15 +308,11 @@ class _NextTextTokenTask(Task):
 
     text_tokenizer: TextTokenizer
 
-    def make_heads(self, model: OmniModel) -> dict[str, nn.Module]:
-        table = model.embedders["text"].token
-        return {self.name: LMHead(model.trunk_config.d_model, table.weight.shape[0], tie_to=table)}
-
     def head_specs(self) -> dict[str, dict[str, Any]]:
         return {self.name: {"type": "lm", "vocab_size": self.text_tokenizer.vocab_size, "tie_to": "text"}}
 
     def loss(self, model, hidden, batch, index):
-        logits = model.heads[self.name](OmniModel.gather(hidden, batch, "text")).float()
+        logits = model.forward_head(hidden, batch, self.name, "text").float()
         targets = batch.targets["text"]
         w = ((batch.token_task("text") == index) & (targets != IGNORE_INDEX)).float()
         safe = targets.clamp_min(0)  # ignored rows get weight 0; keep the index valid
@@ -326,7 +323,7 @@ class _NextTextTokenTask(Task):
 
 def _lm_nll_sum(model: OmniModel, head: str, hidden: Tensor, batch: PackedBatch) -> tuple[float, int]:
     """(summed next-token NLL in nats, predicted tokens) over every text token of a batch of one task."""
-    logits = model.heads[head](OmniModel.gather(hidden, batch, "text")).float()
+    logits = model.forward_head(hidden, batch, head, "text").float()
     targets = batch.targets["text"]
     keep = targets != IGNORE_INDEX
     return float(F.cross_entropy(logits[keep], targets[keep], reduction="sum")), int(keep.sum())
@@ -441,21 +438,11 @@ class TranscribeTask(_NextTextTokenTask):
             out[:labels.shape[0]] = labels
         return out
 
-    def make_heads(self, model: OmniModel) -> dict[str, nn.Module]:
-        from omni.speech import CTC_BLANK
-
-        heads = super().make_heads(model)
-        if self.ctc_weight > 0:
-            # An untied LMHead is a Linear(d, 257) without bias, which the export's "lm" head type rebuilds
-            # (SpeechRecognizer's CTC head, a plain nn.Linear, has no export head type).
-            heads[self.ctc_head] = LMHead(model.trunk_config.d_model, CTC_BLANK + 1)
-        return heads
-
     def head_specs(self) -> dict[str, dict[str, Any]]:
         from omni.speech import CTC_BLANK
 
         specs = super().head_specs()
-        if self.ctc_weight > 0:
+        if self.ctc_weight > 0:  # an untied "lm" head: a Linear(d, 257) without bias
             specs[self.ctc_head] = {"type": "lm", "vocab_size": CTC_BLANK + 1}
         return specs
 
@@ -489,7 +476,7 @@ class TranscribeTask(_NextTextTokenTask):
         # other tasks' audio segments (their targets are not CTC labels) get an empty label and weight 0
         lengths = torch.zeros_like(frames).index_add_(0, seg, (targets != IGNORE_INDEX).long()) * mine
         T = int(frames.max())
-        logp = model.heads[self.ctc_head](OmniModel.gather(hidden, batch, "audio")).float().log_softmax(-1)
+        logp = model.forward_head(hidden, batch, self.ctc_head, "audio").float().log_softmax(-1)
         padded = logp.new_zeros(T, n_seg, logp.shape[-1]).index_put((t, seg), logp)
         labels = torch.zeros(n_seg, T, dtype=torch.long, device=seg.device).index_put((seg, t), targets.clamp_min(0))
         per = F.ctc_loss(padded, labels, frames, lengths, blank=CTC_BLANK, reduction="none", zero_infinity=True)
@@ -669,10 +656,6 @@ class ActionTask(Task):
         start = int(rng.integers(0, max(self.lengths[i] - self.tokenizer.context, 0) + 1))
         return Sample([self.tokenizer.encode(ep, key=key, start=start)], key=f"{key}@{start}")
 
-    def make_heads(self, model: OmniModel) -> dict[str, nn.Module]:
-        tok = self.tokenizer
-        return {self.name: ActionHead(model.trunk_config.d_model, tok.n_action_outputs, tok.discrete)}
-
     def head_specs(self) -> dict[str, dict[str, Any]]:
         tok = self.tokenizer
         return {self.name: {"type": "action", "n_outputs": tok.n_action_outputs, "discrete": tok.discrete}}
@@ -693,17 +676,8 @@ class ActionTask(Task):
 
     def loss(self, model, hidden, batch, index):
         tok = self.tokenizer
-        pred = self.predict(model, hidden, batch).float()
-        tokens, targets = batch.tokens["trajectory"], batch.targets["trajectory"]
-        w = (tok.action_target_mask(tokens) & (batch.token_task("trajectory") == index)).float()
-        if tok.discrete:
-            y = targets[..., 0].round().long()
-            per_row = F.cross_entropy(pred, y, reduction="none")
-            metrics = {"accuracy": _masked_mean((pred.argmax(-1) == y).float(), w)}
-        else:
-            per_row = ((pred - targets.float()) ** 2).mean(-1)
-            metrics = {}
-        return _masked_mean(per_row, w), metrics
+        keep = tok.action_target_mask(batch.tokens["trajectory"]) & (batch.token_task("trajectory") == index)
+        return masked_action_loss(self.predict(model, hidden, batch), batch.targets["trajectory"], keep, tok.discrete)
 
     def evaluate(self, model: OmniModel, *, seeds: Sequence[int] = tuple(range(10_000, 10_005)),
                  target: float | None = None, max_steps: int | None = None, cache: bool = True) -> dict[str, float]:
@@ -785,17 +759,22 @@ class MultitaskModel(nn.Module):
 
     def export_config(self) -> dict[str, Any]:
         """config.json for ``omni.export.load_pretrained`` (the built-in "omni" builder) of ``self.omni``."""
-        heads: dict[str, dict[str, Any]] = {}
-        for t in self.tasks:
-            heads.update(t.head_specs())
-        return {"builder": "omni", "trunk": self.omni.trunk_config.to_dict(), "heads": heads,
+        return {**self.omni.export_config(),
                 "tasks": {t.name: {"kind": t.kind, "weight": t.weight} for t in self.tasks}}
 
     def forward(self, batch: MixedBatch, mask: Any = None) -> tuple[Tensor, dict[str, Tensor]]:
+        """Packed mixed batch -> (training loss, per-task metrics)."""
+        return self.forward_head(self.forward_features(batch, mask), batch)
+
+    def forward_features(self, batch: MixedBatch, mask: Any = None) -> Tensor:
+        """Hidden states (B, T, d) of the shared trunk; the packed mask (BlockMask on CUDA) is built once, here."""
+        return self.omni(batch, mask)  # through __call__: hooks on self.omni (FSDP, compile) run
+
+    def forward_head(self, features: Tensor, batch: MixedBatch) -> tuple[Tensor, dict[str, Tensor]]:
+        """Every task's heads and loss on features (B, T, d) -> (sum of loss_weight x task loss, metrics)."""
         if tuple(batch.task_names) != tuple(t.name for t in self.tasks):
             raise ValueError(f"batch tasks {batch.task_names} do not match the model's {[t.name for t in self.tasks]}")
-        hidden = self.omni(batch, mask)  # the packed mask (BlockMask on CUDA) is built once, here
-        total = hidden.new_zeros((), dtype=torch.float32)
+        total = features.new_zeros((), dtype=torch.float32)
         metrics: dict[str, Tensor] = {}
         real = (batch.document >= 0).sum().clamp_min(1)
         n_docs = batch.document_task.shape[0]
@@ -806,7 +785,7 @@ class MultitaskModel(nn.Module):
             0, slot, torch.ones_like(slot))[1:n_docs + 1]
         for i, t in enumerate(self.tasks):
             if all(m in batch.tokens for m in t.tokenizers()):
-                loss, extra = t.loss(self.omni, hidden, batch, i)
+                loss, extra = t.loss(self.omni, features, batch, i)
             else:  # a weight-0 task whose modality this batch lacks: same metric names, zero values
                 loss, extra = total.new_zeros(()), {k: total.new_zeros(()) for k in t.metric_names}
             total = total + t.loss_weight * loss

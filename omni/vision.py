@@ -40,6 +40,11 @@ class ImageClassifier(nn.Module):
 
     def forward(self, images: Tensor) -> Tensor:
         """Uniform batch (B, C, H, W), uint8 or float in [0, 1], H and W multiples of the patch -> logits."""
+        return self.forward_head(self.forward_features(images))
+
+    def forward_features(self, images: Tensor) -> Tensor:
+        """Uniform batch (B, C, H, W) -> trunk hidden states (B, n, d): normalised and patchified here, the
+        tokens ImageTokenizer.encode makes (n patches, + 1 CLS row)."""
         x = images.float() / 255.0 if images.dtype == torch.uint8 else images.float()
         x = (x - self.mean) / self.std
         tokens = patchify(x, self.patch_size)  # (B, n, p*p*C)
@@ -49,12 +54,19 @@ class ImageClassifier(nn.Module):
             flag = F.pad(tokens.new_zeros(*tokens.shape[:2], 1), (0, 0, 1, 0), value=1.0)  # (B, 1 + n, 1)
             tokens = torch.cat([F.pad(tokens, (0, 0, 1, 0)), flag], dim=-1)  # (B, 1 + n, p*p*C + 1)
             positions = F.pad(positions, (0, 0, 1, 0))  # (1 + n, 2)
-        return self.forward_tokens(tokens, positions.expand(images.shape[0], -1, -1))
+        return self.token_features(tokens, positions.expand(images.shape[0], -1, -1))
+
+    def token_features(self, tokens: Tensor, positions: Tensor) -> Tensor:
+        """Tokens (B, n, F) as ImageTokenizer.encode makes them, positions (B, n, 2) -> hidden states (B, n, d)."""
+        return self.trunk(self.embed(tokens), positions, mask=None)
 
     def forward_tokens(self, tokens: Tensor, positions: Tensor) -> Tensor:
-        """Tokens (B, n, F) as ImageTokenizer.encode makes them, positions (B, n, 2) -> logits (B, classes)."""
-        hidden = self.trunk(self.embed(tokens), positions, mask=None)  # (B, n, d)
-        return self.head.forward_rows(hidden)
+        """Tokens (B, n, F), positions (B, n, 2) -> logits (B, classes): images of any size (prediction)."""
+        return self.forward_head(self.token_features(tokens, positions))
+
+    def forward_head(self, features: Tensor) -> Tensor:
+        """Hidden states (B, n, d), each row one image -> logits (B, classes)."""
+        return self.head(features)
 
 
 def build_image_classifier(config: dict[str, Any], tokenizers: dict[str, Any]) -> ImageClassifier:
