@@ -54,7 +54,7 @@ import torch
 from torch import Tensor, nn
 
 from omni.data.memory import TensorLoader
-from omni.heads import ActionHead
+from omni.heads import ActionHead, masked_action_loss
 from omni.tokenizers.trajectory import (
     COL_KIND,
     COL_RTG,
@@ -356,16 +356,21 @@ class DecisionTransformer(nn.Module):
     def forward(self, tokens: Tensor, cache: KVCache | None = None) -> Tensor:
         """tokens (B, T, F) -> head output (B, T, n_action_outputs) at every token, causal attention.
         With ``cache`` the tokens are appended to it (positions continue after the cached ones)."""
+        return self.forward_head(self.forward_features(tokens, cache))
+
+    def forward_features(self, tokens: Tensor, cache: KVCache | None = None) -> Tensor:
+        """tokens (B, T, F) -> trunk hidden states (B, T, d) (causal; ``cache`` as in ``forward``)."""
         if tokens.dim() != 3 or tokens.shape[-1] != self.feature_dim:
             raise ValueError(f"DecisionTransformer expects tokens (B, T, {self.feature_dim}), got {tuple(tokens.shape)}")
         keep = None
         if self.training and self.action_dropout > 0.0:
             keep = torch.rand(tokens.shape[:-1] + (1,), device=tokens.device) >= self.action_dropout
-        h = self.trunk(self.embed(tokens, keep), mask=None if cache is not None else "causal", cache=cache)
-        out = self.head(h)
-        if not self.discrete:
-            out = self.action_center + self.action_scale * out
-        return out
+        return self.trunk(self.embed(tokens, keep), mask=None if cache is not None else "causal", cache=cache)
+
+    def forward_head(self, features: Tensor) -> Tensor:
+        """Hidden states (..., d) -> action logits, or continuous actions rescaled to the bounds (..., n_out)."""
+        out = self.head(features)
+        return out if self.discrete else self.action_center + self.action_scale * out
 
     def new_cache(self, batch_size: int, device: torch.device | str | None = None) -> KVCache:
         """A KV cache holding one full window (tokens_per_step * context tokens)."""
@@ -379,17 +384,10 @@ def build_decision_transformer(config: dict[str, Any], tokenizers: dict[str, Any
 
 
 def action_loss(model: nn.Module, tok: TrajectoryTokenizer, tokens: Tensor, targets: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
-    """Masked action loss (cross-entropy / MSE at state tokens) and, for discrete actions, accuracy."""
-    pred = model(tokens)
-    flat_p, flat_x, flat_y = pred.reshape(-1, pred.shape[-1]), tokens.reshape(-1, tokens.shape[-1]), \
-        targets.reshape(-1, targets.shape[-1])
-    loss = tok.action_loss(flat_p, flat_x, flat_y)
-    metrics: dict[str, Tensor] = {}
-    if tok.discrete:
-        w = tok.action_target_mask(flat_x).float()
-        hit = (flat_p.argmax(-1) == flat_y[:, 0].round().long()).float()
-        metrics["accuracy"] = (hit * w).sum() / w.sum().clamp_min(1.0)
-    return loss, metrics
+    """``model(tokens)``'s action loss at state tokens (``omni.heads.masked_action_loss``: cross-entropy / MSE)
+    and, for discrete actions, accuracy. tokens (B, T, F), targets (B, T, A')."""
+    pred, tokens, targets = [t.reshape(-1, t.shape[-1]) for t in (model(tokens), tokens, targets)]  # (B*T, .)
+    return masked_action_loss(pred, targets, tok.action_target_mask(tokens), tok.discrete)
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -116,17 +116,24 @@ class SpeechRecognizer(nn.Module):
         return self.decoder(self.text_embed(text), None, "causal" if cache is None else None,
                             memory=memory, memory_mask=audio_mask, cache=cache, cache_position=cache_position)
 
+    def forward_features(self, audio: Tensor, audio_mask: Tensor | None, text: Tensor) -> Tensor:
+        """Teacher forcing: decoder hidden states (B, T, d) of text ids (B, T) over the encoded audio (B, S, F)."""
+        return self.decode_hidden(text, self.encode(audio, audio_mask), audio_mask)
+
+    def forward_head(self, features: Tensor) -> Tensor:
+        """Decoder hidden states (B, T, d) -> next-token logits (B, T, vocab)."""
+        return self.head(features)
+
     def forward(self, audio: Tensor, audio_mask: Tensor | None, text: Tensor,
                 ctc: bool = False) -> Tensor | tuple[Tensor, Tensor]:
         """Teacher forcing: logits (B, T, vocab) for every text position; with ``ctc=True`` also the CTC
         head's logits (B, S, 257) over the audio tokens (one forward, so DDP/compile see one call)."""
-        memory = self.encode(audio, audio_mask)
-        logits = self.head(self.decode_hidden(text, memory, audio_mask))
         if not ctc:
-            return logits
+            return self.forward_head(self.forward_features(audio, audio_mask, text))
         if self.ctc_head is None:
             raise ValueError("this SpeechRecognizer has no CTC head: build it with ctc=True")
-        return logits, self.ctc_head(memory)
+        memory = self.encode(audio, audio_mask)
+        return self.forward_head(self.decode_hidden(text, memory, audio_mask)), self.ctc_head(memory)
 
 
 def sinusoid(length: int, d: int, device: torch.device | str | None = None) -> Tensor:

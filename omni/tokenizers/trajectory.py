@@ -50,7 +50,6 @@ from typing import Any, ClassVar
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from omni.segment import Role, Segment
@@ -558,19 +557,12 @@ class TrajectoryTokenizer(Tokenizer):
         return (tokens[..., COL_KIND] - KIND_STATE).abs() < 0.5
 
     def action_loss(self, pred: Tensor, tokens: Tensor, targets: Tensor) -> Tensor:
-        """Mean action loss over state rows: cross-entropy on logits (discrete) or MSE (continuous).
+        """Mean action loss over state rows (``omni.heads.masked_action_loss``): cross-entropy on logits
+        (discrete) or MSE (continuous). pred (N, n_action_outputs) head output for every packed trajectory
+        token; tokens (N, F) and targets (N, action_cols) the packed tokens and targets."""
+        from omni.heads import masked_action_loss  # the one action loss (heads stay off the tokenizers' imports)
 
-        pred: (N, n_action_outputs) head output for every packed trajectory token; tokens/targets:
-        the packed tokens (N, F) and targets (N, action_cols). Masking by weights (not boolean
-        indexing) keeps shapes static for torch.compile.
-        """
-        w = self.action_target_mask(tokens).to(torch.float32)
-        if self.discrete:
-            # non-state rows hold target 0, a valid class, and get weight 0
-            per_row = F.cross_entropy(pred.float(), targets[..., 0].round().long(), reduction="none")
-        else:
-            per_row = ((pred.float() - targets.float()) ** 2).mean(dim=-1)
-        return (per_row * w).sum() / w.sum().clamp_min(1.0)
+        return masked_action_loss(pred, targets, self.action_target_mask(tokens), self.discrete)[0]
 
     def decode(self, head_output: Tensor | np.ndarray) -> Tensor:
         """Env actions from the action head: argmax int64 ids (discrete) or values clipped to the bounds."""
