@@ -7,7 +7,11 @@ The same script runs as ``python recipes/x.py`` and ``accelerate launch --num_pr
 (or ``torchrun``). Build the model after ``seed_everything(seed)`` so every run starts from the same init;
 under DDP rank 0's parameters are broadcast anyway.
 
-What it does, and the traps it avoids (docs/research/pitfalls.md):
+``Trainer`` sets up Accelerate, the optimizer and the schedule, and coordinates components that each own one
+job and document it: ``omni.steps`` (the training data stream, and the step strategy: ``EagerStep``, or
+``GraphedStep`` with ``cuda_graph``), ``omni.checkpointing`` (``Checkpointer``: checkpoints and resume),
+``omni.evaluation`` (``Evaluator``) and ``omni.export`` (the final model). What a run guarantees, and the
+traps it avoids (the project's research notes on Accelerate/webdataset pitfalls, numbered there):
 
 * Data. ``train_data`` is any re-iterable of batches. Objects that expose ``state_dict``/``set_epoch``
   (omni's ShardLoader) are taken as already split per rank and are NOT handed to ``accelerator.prepare``
@@ -19,41 +23,31 @@ What it does, and the traps it avoids (docs/research/pitfalls.md):
   the per-micro-batch mean losses (== the global mean when micro-batches are the same size). The LR
   scheduler steps exactly once per optimizer step (Accelerate's default would step it ``num_processes``
   times per step: we prepare it with ``step_scheduler_with_optimizer=False``).
-* Non-finite loss. Every rank's per-micro-batch loss flags are summed across ranks before the
-  optimizer step; if any is NaN/inf, every rank raises ``NonFiniteLossError`` naming the step, the
-  rank, the batch position and the sample keys. Parameters, optimizer and checkpoints stay untouched.
+* Non-finite loss. If any rank's loss (or the gradient norm) is NaN/inf, every rank raises
+  ``NonFiniteLossError`` naming the step, the rank, the batch position and the sample keys, before the
+  optimizer step. Parameters, optimizer and checkpoints stay untouched.
 * One run per output directory. The main process holds ``DirectoryLock(output_dir)`` from the
   constructor to ``close`` (``fit`` closes at its end and on errors): a second run on the same directory
   gets ``LockedError`` naming the live holder (pid, host, command). A killed run's lock is free (flock). At
-  the start of ``fit`` the lock holder deletes the temp dirs killed runs left (checkpoint ``.tmp-*`` /
-  ``.trash-*``, export ``.final.tmp-*`` / ``.final.old-*``): no live run can own them.
-* Checkpoints. ``output_dir/checkpoints/step-000100/`` is written as ``.tmp-step-000100/`` (Accelerate
-  ``save_state``: model, optimizer, scheduler, grad scaler, per-rank RNG; plus our per-rank data position,
-  ``trainer_state.json`` with the run's config, ``checksums.json`` with every file's sha256, and a
-  ``COMPLETE`` marker written last, everything fsynced) and renamed into place by the main process.
-  A crash at any moment leaves the previous checkpoint intact; resume picks the newest directory with the
-  marker and ignores temp dirs. Old checkpoints are renamed away before deletion (and only once the new one
-  is complete), so a half-deleted one never looks like a checkpoint. A full disk (ENOSPC) raises
-  ``DiskFullError`` naming the checkpoint; its partial directory is removed, the previous one is intact.
+  the start of ``fit`` the lock holder deletes the temp dirs killed runs left: no live run can own them.
+* Checkpoints (``checkpoint_every``) are atomic: a crash at any moment leaves the previous one intact,
+  resume picks the newest complete one, a full disk raises ``DiskFullError`` naming the checkpoint.
 * Resume (``TrainConfig.resume``). "auto": resume the newest intact checkpoint when its recorded config
-  (TrainConfig + ``hparams`` + ``export_config``, flattened) matches this run's, else ``ResumeMismatchError``
-  listing ``key: old -> new``; "force": resume even so; "never": ``RunExistsError`` if the directory holds
-  checkpoints or an export. Keys in ``RESUME_IGNORED`` may differ (where the run lives and how it is shown,
-  logged, evaluated, checkpointed and executed: none changes what a step computes). A checkpoint whose
-  files differ from their checksums (or are missing, truncated, unreadable) is reported, renamed to
-  ``corrupt-step-*`` and the previous one is used; if none is intact, ``IntegrityError`` lists why rather
-  than training over them from scratch. A checkpoint whose tensors do not fit the model (another
-  architecture, even under "force") is refused naming the parameters, both shapes and the checkpoint. A
-  run that already finished (checkpoint at ``steps``, intact export) is reported, not trained or exported
-  again; ``fit`` returns the metrics it recorded in ``output_dir/train_results.json``.
+  (TrainConfig + ``hparams`` + ``export_config``) matches this run's, else ``ResumeMismatchError`` listing
+  ``key: old -> new``; "force": resume even so; "never": ``RunExistsError`` if the directory holds a run.
+  Keys in ``RESUME_IGNORED`` may differ (none changes what a step computes). A corrupt checkpoint is set
+  aside and the previous one used (``IntegrityError`` if none is intact); a checkpoint whose tensors do not
+  fit the model is refused. A run that already finished is reported, not trained or exported again;
+  ``fit`` returns the metrics it recorded.
 * Exact resume. Model, optimizer, scheduler, RNG (python, numpy, torch, CUDA, per rank) and the data
-  position (the loader's own ``state_dict`` when it has one, else the batch count in the epoch, skipped
-  on resume) are restored; training N steps, stopping and resuming to 2N gives the same parameters as
+  position are restored; training N steps, stopping and resuming to 2N gives the same parameters as
   2N steps straight (bitwise on CPU; on CUDA up to non-deterministic kernels, ~1e-9 in our check).
   Calls into the training data run on their own checkpointed RNG stream and evaluation under a
   saved-and-restored one, so neither shifts the training stream (dropout). Resume needs the same number
   of processes (per-rank data positions); ``compile`` may change (checkpoints hold plain names).
   Checkpoints assume a file system every rank sees (as Accelerate's ``save_state`` does).
+* Interruption. The first SIGINT (Ctrl-C) or SIGTERM lets the step finish, saves its checkpoint and raises
+  ``TrainingInterrupted`` (ranks agree every ``log_every`` steps); a second one stops at once.
 * FSDP2. ``accelerate launch --config_file recipes/accelerate_fsdp2.yaml`` (or an ``fsdp_plugin`` with
   ``fsdp_version=2`` in ``accelerator_kwargs``) shards the model with ``fully_shard``; the loop is the same
   (``no_sync`` for accumulation, the gradient norm of the sharded gradients), checkpoints are sharded
@@ -75,52 +69,31 @@ any LM head tied to them); never decay 1-D parameters (biases, norm scales, type
 
 from __future__ import annotations
 
-import base64
-import contextlib
-import errno
-import json
+import functools
 import math
 import numbers
 import os
 import random
-import re
-import shutil
 import signal
 import sys
 import threading
 import time
-import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import numpy as np
 import torch
-from torch import Tensor, nn
+from torch import nn
 
 from omni import export as _export
+from omni.checkpointing import (RESUME_IGNORED, RESUME_MODES, Checkpointer, ResumeMismatchError, RunExistsError,
+                                config_differences, flatten_config, latest_checkpoint, list_checkpoints, on_main,
+                                run_config)
+from omni.evaluation import EvalFn, Evaluator, ModelMetricsFn
 from omni.export import DiskFullError, IntegrityError
 from omni.lock import DirectoryLock, LockedError
-
-CHECKPOINT_DIR = _export.RUN_CHECKPOINT_DIR
-EXPORT_DIR = _export.RUN_EXPORT_DIR
-COMPLETE_MARKER = _export.CHECKPOINT_MARKER
-TRAINER_STATE = "trainer_state.json"
-RESULTS_NAME = "train_results.json"  # the metrics fit returned, for a re-run of a finished run
-_STEP_DIR = re.compile(r"^step-(\d+)$")
-RESUME_MODES = ("auto", "force", "never")
-# Config keys (the last part of a flattened key, in TrainConfig and in the recipe's hparams, which has its
-# own names for some: out, workers, *_every_epochs) that may differ when a run is resumed: where the run
-# lives, how it is shown and logged, how often it evaluates and checkpoints, how it executes. None changes
-# what a step computes (evaluation runs under saved-and-restored RNG streams, checkpoints only read state,
-# compile / cuda_graph / loader workers compute the same steps), so the resumed run still ends where the
-# uninterrupted one would. max_corrupt_fraction only decides when corrupt data stops the run (raising it is
-# how a run stopped that way continues). Everything else (steps, lr, data, seed, model, eval settings) counts.
-RESUME_IGNORED = frozenset({
-    "output_dir", "out", "resume", "progress", "report_to", "run_name", "log_every",
-    "eval_every", "eval_every_epochs", "checkpoint_every", "checkpoint_every_epochs", "keep_checkpoints",
-    "export", "compile", "cuda_graph", "find_unused_parameters", "workers", "num_workers", "max_corrupt_fraction",
-})
+from omni.steps import DataStream, Loss, LossOutput, NonFiniteLossError, batch_keys, build_step
 
 
 class TrainingInterrupted(KeyboardInterrupt):
@@ -166,18 +139,17 @@ class _StopOnSignal:
             signal.signal(s, handler)
         self._previous = {}
 
-
-class NonFiniteLossError(RuntimeError):
-    """Loss (or gradient norm) became NaN/inf; raised on every rank before the optimizer step."""
-
-
-class ResumeMismatchError(ValueError):
-    """The output directory holds a run this one cannot continue: another config (resume="auto"), or
-    tensors of other shapes (another architecture, whatever ``resume`` says)."""
-
-
-class RunExistsError(ValueError):
-    """resume="never" and the output directory already holds checkpoints or an export."""
+    def agreed(self, accelerator: Any, step: int, every: int) -> int | None:
+        """The stop signal this run has received, agreed by every rank: a rank alone may have got it, and the
+        checkpoint that follows is collective. Several processes compare notes every ``every`` steps (a
+        scalar all-reduce; every step would cost a device sync per step), one process every step."""
+        if accelerator.num_processes == 1:
+            return self.signum
+        if step % max(every, 1):
+            return None
+        flag = torch.tensor([self.signum or 0], device=accelerator.device)
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        return int(flag.item()) or None
 
 
 @dataclass
@@ -294,55 +266,6 @@ def default_param_groups(model: nn.Module, weight_decay: float) -> list[dict[str
     return [g for g in groups if g["params"]]
 
 
-def flatten_config(config: Mapping[str, Any], prefix: str = "") -> dict[str, int | float | str | bool]:
-    """Nested config -> flat {"a.b": scalar} that TensorBoard's hparams accepts (pitfall 7).
-    Lists/tuples/None/other objects become strings."""
-    flat: dict[str, int | float | str | bool] = {}
-    for k, v in config.items():
-        name = f"{prefix}{k}"
-        if isinstance(v, Mapping):
-            flat.update(flatten_config(v, prefix=f"{name}."))
-        elif isinstance(v, (bool, int, float, str)):
-            flat[name] = v
-        elif isinstance(v, Tensor) and v.numel() == 1:
-            flat[name] = v.item()
-        else:
-            flat[name] = str(v)
-    return flat
-
-
-_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
-
-
-def run_config(train: TrainConfig, hparams: Mapping[str, Any], export_config: Mapping[str, Any]) -> dict[str, Any]:
-    """What defines a run, flattened (``train.lr``, ``hparams.model.widths``, ``export.trunk.d_model``): saved
-    in every checkpoint and compared on resume. Object addresses in stringified values are dropped: they
-    differ from process to process."""
-    flat = flatten_config({"train": train.to_dict(), "hparams": hparams, "export": export_config})
-    return {k: _ADDRESS.sub("", v) if isinstance(v, str) else v for k, v in flat.items()}
-
-
-def config_differences(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[str]:
-    """``key: old -> new`` for every flattened key that differs, except the ``RESUME_IGNORED`` ones (which
-    never apply to the export config: that is the model itself)."""
-    lines = []
-    for key in sorted(set(old) | set(new)):
-        if not key.startswith("export.") and key.rsplit(".", 1)[-1] in RESUME_IGNORED:
-            continue
-        a, b = old.get(key, _ABSENT), new.get(key, _ABSENT)
-        if not (a == b or (isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b))):
-            lines.append(f"{key}: {a!r} -> {b!r}")
-    return lines
-
-
-class _Absent:
-    def __repr__(self) -> str:
-        return "(absent)"
-
-
-_ABSENT = _Absent()
-
-
 def unwrap(model: nn.Module) -> nn.Module:
     """Strip DDP (``.module``) and torch.compile (``._orig_mod``) wrappers; for loss functions that
     need a submodule (``unwrap(model).heads["cls"]``) of the model the Trainer hands them."""
@@ -353,6 +276,17 @@ def unwrap(model: nn.Module) -> nn.Module:
             model = model._orig_mod
         else:
             return model
+
+
+def seed_everything(seed: int) -> None:
+    """Seed python, numpy and torch (all devices): call before building the model."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Accelerate and the optimizer
 
 
 def use_cpu() -> bool:
@@ -409,97 +343,77 @@ def _fsdp_on_cpu(accelerator: Any, plugin: Any = None) -> None:
     PartialState._shared_state["distributed_type"] = DistributedType.FSDP
 
 
-def seed_everything(seed: int) -> None:
-    """Seed python, numpy and torch (all devices): call before building the model."""
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
+def build_accelerator(config: TrainConfig, accelerator_kwargs: Mapping[str, Any] | None = None) -> Any:
+    """The run's Accelerator (``accelerator_kwargs`` take precedence): ``config``'s mixed precision, tracker and
+    DDP options, a seedable sampler for prepared DataLoaders, logs in output_dir/logs; the scheduler is
+    stepped by us once per optimizer step (Accelerate's default steps it num_processes times per step) and
+    accumulation is the step strategy's. FSDP on CPU ranks (``_fsdp_on_cpu``); per-rank seeds (dropout differs
+    across ranks)."""
+    from accelerate import Accelerator, DataLoaderConfiguration
+    from accelerate.utils import (AutocastKwargs, DistributedDataParallelKwargs, DistributedType,
+                                  ProjectConfiguration, parse_flag_from_env, set_seed)
+
+    output_dir = Path(config.output_dir)
+    kwargs: dict[str, Any] = dict(accelerator_kwargs or {})
+    kwargs.setdefault("mixed_precision", _mixed_precision(config.mixed_precision))
+    kwargs.setdefault("project_config", ProjectConfiguration(project_dir=str(output_dir),
+                                                             logging_dir=str(output_dir / "logs")))
+    kwargs.setdefault("dataloader_config", DataLoaderConfiguration(use_seedable_sampler=True, data_seed=config.seed))
+    if config.report_to and config.report_to != "none":
+        kwargs.setdefault("log_with", _tracker(config.report_to))
+    handlers = list(kwargs.pop("kwargs_handlers", []))
+    if config.find_unused_parameters:
+        handlers.append(DistributedDataParallelKwargs(find_unused_parameters=True))
+    if config.cuda_graph:  # the CUDA-graphs notes' rule: no autocast weight-cast cache under capture
+        handlers.append(AutocastKwargs(cache_enabled=False))
+    if use_cpu():
+        kwargs.setdefault("cpu", True)
+    acc = Accelerator(step_scheduler_with_optimizer=False, gradient_accumulation_steps=1, kwargs_handlers=handlers,
+                      **kwargs)
+    if parse_flag_from_env("ACCELERATE_USE_FSDP") and acc.distributed_type == DistributedType.MULTI_CPU:
+        _fsdp_on_cpu(acc, kwargs.get("fsdp_plugin"))
+    set_seed(config.seed, device_specific=True)
+    return acc
 
 
-def batch_keys(batch: Any) -> list[str] | None:
-    """Sample keys of a batch: PackedBatch.keys, batch["keys"] / batch["__key__"], or None."""
-    keys = getattr(batch, "keys", None)
-    if isinstance(keys, (list, tuple)):
-        return [str(k) for k in keys]
-    if isinstance(batch, Mapping):
-        for name in ("keys", "__key__", "key"):
-            if name in batch and isinstance(batch[name], (list, tuple)):
-                return [str(k) for k in batch[name]]
-    return None
+def _mixed_precision(requested: str) -> str | None:
+    if requested != "auto":
+        return requested
+    # `accelerate launch` always exports its --mixed_precision, "no" by default: honour it only when
+    # it asks for reduced precision, so a default launch still gets bf16 on the GPU.
+    if os.environ.get("ACCELERATE_MIXED_PRECISION", "no").lower() not in ("", "no"):
+        return None
+    return "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "no"
 
 
-def list_checkpoints(output_dir: str | os.PathLike) -> list[tuple[int, Path]]:
-    """Complete checkpoints under output_dir/checkpoints, oldest first (temp/trash dirs ignored)."""
-    root = Path(output_dir) / CHECKPOINT_DIR
-    if not root.is_dir():
-        return []
-    found = []
-    for d in root.iterdir():
-        m = _STEP_DIR.match(d.name)
-        if m and d.is_dir() and (d / COMPLETE_MARKER).is_file():
-            found.append((int(m.group(1)), d))
-    return sorted(found)
+def _tracker(name: str) -> str | None:
+    if name == "tensorboard":
+        from accelerate.utils import is_tensorboard_available
+
+        if not is_tensorboard_available():
+            import warnings
+
+            warnings.warn("tensorboard is not installed: training metrics are not logged "
+                          "(pip install tensorboard, or set report_to='none')")
+            return None
+    return name
 
 
-def latest_checkpoint(output_dir: str | os.PathLike) -> Path | None:
-    ckpts = list_checkpoints(output_dir)
-    return ckpts[-1][1] if ckpts else None
+def build_optimizer(groups: list[dict[str, Any]], config: TrainConfig, device: torch.device
+                    ) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
+    """AdamW over ``groups`` (fused on CUDA) and its warmup + cosine schedule (``lr_multiplier``)."""
+    optimizer = torch.optim.AdamW(groups, lr=config.lr, betas=(config.beta1, config.beta2), eps=config.eps,
+                                  weight_decay=config.weight_decay, fused=device.type == "cuda" or None)
+    warmup, total, min_ratio = config.warmup_steps, config.steps, config.min_lr_ratio
+
+    def schedule(i: int) -> float:  # a plain function: LambdaLR does not pickle it, so the schedule
+        return lr_multiplier(i, warmup=warmup, total=total, min_ratio=min_ratio)  # follows the current config
+
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
 
 
-def _count_samples(batch: Any) -> int:
-    if hasattr(batch, "num_documents"):
-        return int(batch.num_documents)
-    if isinstance(batch, Tensor):
-        return int(batch.shape[0]) if batch.dim() else 1
-    values = batch.values() if isinstance(batch, Mapping) else batch if isinstance(batch, (list, tuple)) else ()
-    for v in values:
-        if isinstance(v, Tensor) and v.dim() > 0:
-            return int(v.shape[0])
-    return 0
-
-
-def _count_tokens(batch: Any) -> Tensor | None:
-    document = getattr(batch, "document", None)  # PackedBatch: real (non-padding) tokens
-    return (document >= 0).sum() if isinstance(document, Tensor) else None
-
-
-def _remove_dir(path: Path) -> None:
-    """Rename away, then delete: an interrupted delete never leaves a directory that looks valid."""
-    trash = path.with_name(f".trash-{path.name}-{os.getpid()}-{time.monotonic_ns()}")
-    os.replace(path, trash)
-    shutil.rmtree(trash, ignore_errors=True)
-
-
-def _dirs_named(root: Path, prefixes: tuple[str, ...]) -> list[Path]:
-    return [d for d in root.iterdir() if d.is_dir() and d.name.startswith(prefixes)] if root.is_dir() else []
-
-
-def _read_checkpoint(ckpt: Path) -> tuple[dict[str, Any], dict[str, tuple[int, ...]] | None]:
-    """A checkpoint's trainer state and stored model tensor shapes (None: no model.safetensors, e.g. FSDP
-    shards), once its files match their checksums; IntegrityError naming what is wrong otherwise.
-    Checkpoints written before checksums are only read."""
-    from safetensors import SafetensorError, safe_open
-
-    _export.verify_checksums(ckpt)
-    path = ckpt / TRAINER_STATE
-    try:
-        meta = json.loads(path.read_text())
-        path = ckpt / "model.safetensors"
-        if not path.is_file():
-            return meta, None
-        with safe_open(str(path), framework="pt") as f:
-            return meta, {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
-    except (OSError, ValueError, SafetensorError) as exc:
-        raise IntegrityError(f"{path} is unreadable ({exc})") from exc
-
-
-def _set_aside(ckpt: Path) -> Path:
-    """Rename a corrupt checkpoint out of the listing: kept for inspection, never resumed or rotated away."""
-    target, n = ckpt.with_name(f"corrupt-{ckpt.name}"), 1
-    while target.exists():
-        target, n = ckpt.with_name(f"corrupt-{ckpt.name}-{n}"), n + 1
-    os.replace(ckpt, target)
-    return target
+# ----------------------------------------------------------------------------------------------------
+# What the user sees
 
 
 def _is_terminal(stream: Any) -> bool:
@@ -509,149 +423,66 @@ def _is_terminal(stream: Any) -> bool:
         return False
 
 
-@contextlib.contextmanager
-def _preserved_rng() -> Iterator[None]:
-    """Run a block (evaluation) without changing any RNG stream the training uses."""
-    py, npy = random.getstate(), np.random.get_state()
-    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
-    with torch.random.fork_rng(devices=devices):
-        yield
-    random.setstate(py)
-    np.random.set_state(npy)
+class _Progress:
+    """What a user sees of the run: every ``log_every`` steps (and at the last) the window's means go to the
+    trackers; the main process shows a tqdm bar when stderr is a terminal, else prints one plain line per log
+    step (tqdm redraws its line with carriage returns: in a log file that is one endless line)."""
 
+    RECORD = frozenset({"loss", "lr", "grad_norm", "tokens", "samples"})  # the rest: loss_fn's metrics
 
-# ----------------------------------------------------------------------------------------------------
-# The data stream: epochs, position, its own RNG, resume
+    def __init__(self, accelerator: Any, config: TrainConfig, step: int) -> None:
+        from tqdm.auto import tqdm
 
+        self.accelerator, self.config = accelerator, config
+        show_bar = accelerator.is_main_process and config.progress and _is_terminal(sys.stderr)
+        self.print_lines = accelerator.is_main_process and not show_bar
+        self.bar = tqdm(total=config.steps, initial=step, desc="train", dynamic_ncols=True, disable=not show_bar)
+        self.window: list[dict[str, float]] = []
+        self.t0 = time.perf_counter()
 
-class _DataRNG:
-    """A private python/numpy/torch-CPU RNG stream swapped in around every call into the training data.
+    def __enter__(self) -> "_Progress":
+        return self
 
-    Data loading that draws from the global RNG (a torch DataLoader draws its worker base seed when an
-    iterator is created, lazily, at the first batch; collate functions may augment) would otherwise
-    shift the training stream (dropout) by a different amount in a resumed run than in a straight one.
-    With the swap the training stream never sees data draws, and the data stream is checkpointed too."""
+    def __exit__(self, *exc: Any) -> None:
+        self.bar.close()
 
-    def __init__(self, seed: int) -> None:
-        self.torch = torch.Generator().manual_seed(seed).get_state()
-        self.python = random.Random(seed).getstate()
-        self.numpy = np.random.RandomState(seed % 2**32).get_state()
+    def step(self, step: int, record: Mapping[str, float], epoch: int) -> dict[str, float]:
+        """Count optimizer step ``step``; on a log step, log the window's summary and return it (else {})."""
+        cfg = self.config
+        self.window.append(dict(record))
+        self.bar.update(1)
+        if not ((cfg.log_every > 0 and step % cfg.log_every == 0) or step == cfg.steps):
+            return {}
+        seconds = max(time.perf_counter() - self.t0, 1e-9)
+        logged = self._summarise(seconds, epoch)
+        self.accelerator.log(logged, step=step)
+        self.bar.set_postfix(loss=f"{logged['train/loss']:.4g}", lr=f"{logged['train/lr']:.3g}")
+        if self.print_lines:
+            shown = ", ".join(f"{k.removeprefix('train/')} {v:.4g}" for k, v in logged.items())
+            print(f"step {step}/{cfg.steps}: {shown}, it/s {len(self.window) / seconds:.3g}", flush=True)
+        self.window, self.t0 = [], time.perf_counter()
+        return logged
 
-    @contextlib.contextmanager
-    def active(self) -> Iterator[None]:
-        saved = torch.get_rng_state(), random.getstate(), np.random.get_state()
-        torch.set_rng_state(self.torch)
-        random.setstate(self.python)
-        np.random.set_state(self.numpy)
-        try:
-            yield
-        finally:
-            self.torch, self.python, self.numpy = torch.get_rng_state(), random.getstate(), np.random.get_state()
-            torch.set_rng_state(saved[0])
-            random.setstate(saved[1])
-            np.random.set_state(saved[2])
+    def _summarise(self, seconds: float, epoch: int) -> dict[str, float]:
+        window, n = self.window, len(self.window)
+        out = {"train/loss": sum(r["loss"] for r in window) / n, "train/lr": window[-1]["lr"],
+               "train/grad_norm": sum(r["grad_norm"] for r in window) / n,
+               "train/samples_per_s": sum(r["samples"] for r in window) / seconds, "train/epoch": float(epoch)}
+        tokens = sum(r["tokens"] for r in window)
+        if tokens:
+            out["train/tokens_per_s"] = tokens / seconds
+        for name in sorted(window[-1].keys() - self.RECORD):
+            out[f"train/{name}"] = sum(r[name] for r in window) / n
+        return out
 
-    def state_dict(self) -> dict[str, Any]:  # JSON-serialisable
-        name, keys, pos, has_gauss, gauss = self.numpy
-        return {"torch": base64.b64encode(self.torch.numpy().tobytes()).decode(),
-                "python": [self.python[0], list(self.python[1]), self.python[2]],
-                "numpy": [name, keys.tolist(), int(pos), int(has_gauss), float(gauss)]}
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        raw = np.frombuffer(base64.b64decode(state["torch"]), dtype=np.uint8).copy()
-        self.torch = torch.from_numpy(raw)
-        version, internal, gauss_next = state["python"]
-        self.python = (version, tuple(internal), gauss_next)
-        name, keys, pos, has_gauss, gauss = state["numpy"]
-        self.numpy = (name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, gauss)
-
-
-class _DataStream:
-    """Endless batches from a re-iterable, tracking (epoch, batches yielded in the epoch) per rank."""
-
-    def __init__(self, data: Any, prepared: bool, accelerator: Any, seed: int) -> None:
-        self.data, self.prepared, self.accelerator = data, prepared, accelerator
-        self.rng = _DataRNG(seed)
-        self.stateful = not prepared and hasattr(data, "state_dict") and hasattr(data, "load_state_dict")
-        self.epoch, self.position = 0, 0
-        self._yielded_this_epoch = 0
-        self._it: Iterator | None = None
-
-    def _set_epoch(self, epoch: int) -> None:
-        if hasattr(self.data, "set_epoch"):
-            self.data.set_epoch(epoch)
-
-    def start(self, epoch: int = 0, position: int = 0, loader_state: Any = None,
-              rng_state: Mapping[str, Any] | None = None) -> None:
-        """Open the iterator at (epoch, position), under the data RNG stream."""
-        if rng_state is not None:
-            self.rng.load_state_dict(rng_state)
-        with self.rng.active():
-            self._start(epoch, position, loader_state)
-
-    def _start(self, epoch: int, position: int, loader_state: Any) -> None:
-        self.epoch, self.position = epoch, position
-        self._yielded_this_epoch = position
-        self._set_epoch(epoch)
-        if self.stateful and loader_state is not None:
-            self.data.load_state_dict(loader_state)
-            # The loader's own position is the authority: after the last batch of an epoch it may
-            # already name the next epoch (ShardLoader does) while our counter has not rolled over.
-            own = self.data.state_dict()
-            if isinstance(own, Mapping) and "epoch" in own:
-                self.epoch = int(own["epoch"])
-                self.position = self._yielded_this_epoch = int(own.get("batches_done", position))
-            self._it = iter(self.data)
-        elif self.prepared and position:
-            skipping = self.accelerator.skip_first_batches(self.data, position)
-            skipping.set_epoch(epoch)  # its own counter starts at 0 and would reseed the shared sampler
-            self._it = iter(skipping)
-        else:
-            self._it = iter(self.data)
-            for i in range(position):  # generic re-iterable: replay (must be deterministic per epoch)
-                try:
-                    next(self._it)
-                except StopIteration:
-                    raise ValueError(f"cannot resume the training data at epoch {epoch} batch {position}: "
-                                     f"the epoch has only {i} batches now") from None
-
-    def next(self) -> tuple[Any, int, int]:
-        """(batch, epoch, index in epoch) of the next non-None batch, rolling over epochs."""
-        assert self._it is not None, "start() first"
-        with self.rng.active():
-            return self._next()
-
-    def _next(self) -> tuple[Any, int, int]:
-        while True:
-            try:
-                batch = next(self._it)
-            except StopIteration:
-                if self._yielded_this_epoch == 0:
-                    raise ValueError(
-                        f"the training data yielded no batches in epoch {self.epoch}: pass a re-iterable "
-                        f"(list, DataLoader, ShardLoader), not a one-shot generator") from None
-                self.epoch += 1
-                self.position = self._yielded_this_epoch = 0
-                self._set_epoch(self.epoch)
-                self._it = iter(self.data)
-                continue
-            index = self.position
-            self.position += 1
-            if batch is None:  # skipped; still counted, it was consumed from the loader
-                continue
-            self._yielded_this_epoch += 1
-            return batch, self.epoch, index
-
-    def state(self) -> dict[str, Any]:
-        return {"epoch": self.epoch, "position": self.position,
-                "loader": self.data.state_dict() if self.stateful else None, "rng": self.rng.state_dict()}
+    def evaluated(self, step: int, metrics: Mapping[str, float]) -> None:
+        self.accelerator.log(dict(metrics), step=step)
+        if self.accelerator.is_main_process and metrics:
+            self.bar.write(f"step {step}: " + ", ".join(f"{k} {v:.4g}" for k, v in metrics.items()))
 
 
 # ----------------------------------------------------------------------------------------------------
 # The trainer
-
-
-LossOutput = Tensor | tuple[Tensor, Mapping[str, float | Tensor]]
 
 
 class Trainer:
@@ -674,10 +505,10 @@ class Trainer:
         ``torch.no_grad``, the mixed-precision autocast, and every RNG stream (python, numpy, torch,
         CUDA) saved before and restored after, so training continues exactly as without evaluation.
         ``step`` is the number of optimizer steps taken (``self.step``); an empty mapping adds nothing
-        to this evaluation (e.g. "only at the end": measure when ``step >= config.steps``). The values join the eval metrics
-        as ``eval/<name>`` (returned by ``evaluate``/``fit``, logged to the trackers, printed); a name
-        may not also come from ``eval_fn``. Contract across processes: it is called on EVERY rank with
-        the prepared model (as ``eval_fn``), and each name's value is the mean over the ranks that
+        to this evaluation (e.g. "only at the end": measure when ``step >= config.steps``). The values join
+        the eval metrics as ``eval/<name>`` (returned by ``evaluate``/``fit``, logged to the trackers,
+        printed); a name may not also come from ``eval_fn``. Contract across processes: it is called on EVERY
+        rank with the prepared model (as ``eval_fn``), and each name's value is the mean over the ranks that
         return it (exact when every rank measures the same thing, as the usual seeded held-out loop
         does; a hook that splits the work over ranks combines it itself, with collectives, since all
         ranks are in it). Its forward passes must not desynchronise the ranks: under DDP run them on
@@ -692,6 +523,10 @@ class Trainer:
         output_dir/final (``export_module(model)`` picks the submodule to export, default: all of it).
     prepare_data: hand train/eval DataLoaders to ``accelerator.prepare`` (None: only plain DataLoaders
         without ``state_dict``/``set_epoch``; rank-local loaders must not be re-sharded).
+
+    Components (built here, each documented in its module): ``data`` (``omni.steps.DataStream``),
+    ``stepper`` (``omni.steps.EagerStep`` / ``GraphedStep``), ``evaluator`` (``omni.evaluation.Evaluator``),
+    ``checkpointer`` (``omni.checkpointing.Checkpointer``).
     """
 
     def __init__(
@@ -702,8 +537,8 @@ class Trainer:
         config: TrainConfig,
         *,
         eval_data: Iterable[Any] | None = None,
-        eval_fn: Callable[[nn.Module, Any], Mapping[str, Tensor]] | None = None,
-        model_metrics_fn: Callable[[nn.Module, int], Mapping[str, float | Tensor]] | None = None,
+        eval_fn: EvalFn | None = None,
+        model_metrics_fn: ModelMetricsFn | None = None,
         param_groups: Callable[[nn.Module], list[dict[str, Any]]] | None = None,
         hparams: Mapping[str, Any] | None = None,
         export_config: Mapping[str, Any] | None = None,
@@ -712,57 +547,16 @@ class Trainer:
         prepare_data: bool | None = None,
         accelerator_kwargs: Mapping[str, Any] | None = None,
     ) -> None:
-        from accelerate import Accelerator, DataLoaderConfiguration
-        from accelerate.utils import DistributedDataParallelKwargs, ProjectConfiguration, set_seed
-
         self.config = config
         self.output_dir = Path(config.output_dir)
-        self.loss_fn, self.eval_fn, self.model_metrics_fn = loss_fn, eval_fn, model_metrics_fn
+        self.model_metrics_fn = model_metrics_fn
         self.hparams = dict(hparams or {})
         self.export_config = dict(export_config or {})
-        self.export_tokenizers = export_tokenizers
-        self.export_module = export_module
+        self.export_tokenizers, self.export_module = export_tokenizers, export_module
 
-        kwargs: dict[str, Any] = dict(accelerator_kwargs or {})
-        kwargs.setdefault("mixed_precision", self._mixed_precision(config.mixed_precision))
-        kwargs.setdefault("project_config", ProjectConfiguration(
-            project_dir=str(self.output_dir), logging_dir=str(self.output_dir / "logs")))
-        kwargs.setdefault("dataloader_config", DataLoaderConfiguration(use_seedable_sampler=True,
-                                                                       data_seed=config.seed))
-        if config.report_to and config.report_to != "none":
-            kwargs.setdefault("log_with", self._tracker(config.report_to))
-        handlers = list(kwargs.pop("kwargs_handlers", []))
-        if config.find_unused_parameters:
-            handlers.append(DistributedDataParallelKwargs(find_unused_parameters=True))
-        if config.cuda_graph:  # the CUDA-graphs notes' rule: no autocast weight-cast cache under capture
-            from accelerate.utils import AutocastKwargs
-
-            handlers.append(AutocastKwargs(cache_enabled=False))
-        # Scheduler stepped once per optimizer step, by us (Accelerate's default steps it
-        # num_processes times per step); accumulation is ours too (grad_accum micro-batches per step).
-        if use_cpu():
-            kwargs.setdefault("cpu", True)
-        self.accelerator = acc = Accelerator(step_scheduler_with_optimizer=False, gradient_accumulation_steps=1,
-                                             kwargs_handlers=handlers, **kwargs)
-        from accelerate.utils import DistributedType, parse_flag_from_env
-
-        if parse_flag_from_env("ACCELERATE_USE_FSDP") and acc.distributed_type == DistributedType.MULTI_CPU:
-            _fsdp_on_cpu(acc, kwargs.get("fsdp_plugin"))
-        set_seed(config.seed, device_specific=True)  # per-rank streams (dropout differs across ranks)
-        if config.cuda_graph and acc.num_processes > 1:
-            raise ValueError(f"cuda_graph trains on one process; this run has {acc.num_processes}")
-
+        self.accelerator = acc = build_accelerator(config, accelerator_kwargs)
         groups = param_groups(model) if param_groups is not None else default_param_groups(model, config.weight_decay)
-        fused = acc.device.type == "cuda"
-        optimizer = torch.optim.AdamW(groups, lr=config.lr, betas=(config.beta1, config.beta2), eps=config.eps,
-                                      weight_decay=config.weight_decay, fused=fused or None)
-        warmup, total, min_ratio = config.warmup_steps, config.steps, config.min_lr_ratio
-
-        def schedule(i: int) -> float:  # a plain function: LambdaLR does not pickle it, so the schedule
-            return lr_multiplier(i, warmup=warmup, total=total, min_ratio=min_ratio)  # follows the current config
-
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
-        self.model, self.optimizer, self.scheduler = acc.prepare(model, optimizer, scheduler)
+        self.model, self.optimizer, self.scheduler = acc.prepare(model, *build_optimizer(groups, config, acc.device))
         if config.compile:
             # Compiled here rather than by Accelerate's dynamo plugin: that one lives in the process-wide
             # AcceleratorState (a later Trainer could not change it), and checkpoints keep the plain
@@ -770,522 +564,48 @@ class Trainer:
             self.model = torch.compile(self.model) if config.compile is True else \
                 torch.compile(self.model, mode=str(config.compile))
 
-        self._prepare_data = prepare_data
-        self._train_prepared = self._should_prepare(train_data)
-        self.train_data = acc.prepare_data_loader(train_data) if self._train_prepared else train_data
-        self._eval_prepared = eval_data is not None and self._should_prepare(eval_data)
-        self.eval_data = acc.prepare_data_loader(eval_data) if self._eval_prepared else eval_data
-        self._stream = _DataStream(self.train_data, self._train_prepared, acc,
-                                   seed=1_000_003 * (config.seed + 1) + acc.process_index)
-        self.step = 0
-        self._metric_names: list[str] | None = None
-        self._graph: Any = None  # cuda_graph: the GraphedTrainStep, built on the first step (after resume)
-        self._graph_layout: tuple[Any, list[bool]] | None = None  # the captured batch's pytree spec, tensor leaves
-        self._graph_metrics: dict[str, Tensor] = {}
-        self._config_changed = False  # resumed under resume="force" from a checkpoint of another config
+        self.data = DataStream(train_data, acc, config.seed, prepare_data)
+        loss = Loss(acc, loss_fn)
+        self.evaluator = Evaluator(acc, loss, eval_data, eval_fn, prepare_data)
+        self.stepper = build_step(config, acc, self.optimizer, self.scheduler, loss, self.data.prepared,
+                                  functools.partial(latest_checkpoint, self.output_dir))
+        self.checkpointer = Checkpointer(acc, config, self.run_config(), self.data, unwrap(self.model))
+        self.step = 0  # optimizer steps taken
         # Last, so nothing after it can fail and leave the lock taken: the main process owns output_dir.
         self._lock = DirectoryLock(self.output_dir, "output directory")
-        self._on_main(self._take_lock)
 
-    # -- setup helpers -------------------------------------------------------------------------------
-    def _should_prepare(self, data: Any) -> bool:
-        """Plain DataLoaders are sharded by Accelerate; loaders with state_dict/set_epoch are rank-local."""
-        if self._prepare_data is not None:
-            return self._prepare_data
-        return isinstance(data, torch.utils.data.DataLoader) and not (
-            hasattr(data, "state_dict") or hasattr(data, "set_epoch"))
+        def take_lock() -> None:  # returns nothing: the lock (an open fd) must not travel to other ranks
+            self._lock.acquire()
 
-    @staticmethod
-    def _mixed_precision(requested: str) -> str | None:
-        if requested != "auto":
-            return requested
-        # `accelerate launch` always exports its --mixed_precision, "no" by default: honour it only when
-        # it asks for reduced precision, so a default launch still gets bf16 on the GPU.
-        if os.environ.get("ACCELERATE_MIXED_PRECISION", "no").lower() not in ("", "no"):
-            return None
-        return "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "no"
-
-    @staticmethod
-    def _tracker(name: str) -> str | None:
-        if name == "tensorboard":
-            from accelerate.utils import is_tensorboard_available
-
-            if not is_tensorboard_available():
-                import warnings
-
-                warnings.warn("tensorboard is not installed: training metrics are not logged "
-                              "(pip install tensorboard, or set report_to='none')")
-                return None
-        return name
+        on_main(acc, take_lock)
 
     @property
     def checkpoint_root(self) -> Path:
-        return self.output_dir / CHECKPOINT_DIR
+        return self.checkpointer.root
 
     @property
     def export_dir(self) -> Path:
-        return self.output_dir / EXPORT_DIR
-
-    def _state_payload(self) -> dict[str, Any]:
-        return {"step": self.step, "world_size": self.accelerator.num_processes,
-                "compile": self.config.compile, "train_prepared": self._train_prepared,
-                "config": self.config.to_dict(), "run_config": self.run_config(), "time": time.time()}
+        return self.checkpointer.export_dir
 
     def run_config(self) -> dict[str, Any]:
         """This run's flattened config (``run_config``): recorded in checkpoints, compared on resume."""
         return run_config(self.config, self.hparams, self.export_config)
 
-    def _take_lock(self) -> None:  # returns nothing: the lock (an open fd) must not travel to other ranks
-        self._lock.acquire()
-
-    def _on_main(self, fn: Callable[[], Any]) -> Any:
-        """``fn()`` on the main process only, its result or exception shared with every rank: one decision,
-        and a failure raised on every rank instead of leaving the others waiting in a collective."""
-        acc = self.accelerator
-        outcome: list[Any] = [None]
-        if acc.is_main_process:
-            try:
-                outcome[0] = (True, fn())
-            except Exception as exc:
-                outcome[0] = (False, exc)
-        if acc.num_processes > 1:
-            from accelerate.utils import broadcast_object_list
-
-            broadcast_object_list(outcome)
-        ok, value = outcome[0]
-        if not ok:
-            raise value
-        return value
-
-    # -- checkpoints ---------------------------------------------------------------------------------
     def save_checkpoint(self) -> Path:
-        """Write output_dir/checkpoints/step-XXXXXX atomically (module docstring). Collective."""
-        acc = self.accelerator
-        name = f"step-{self.step:06d}"
-        final, tmp = self.checkpoint_root / name, self.checkpoint_root / f".tmp-{name}"
-        try:
-            self._write_checkpoint(tmp, final)
-        except Exception as exc:
-            if not _export.is_disk_full(exc):
-                raise
-            if acc.is_main_process:
-                shutil.rmtree(tmp, ignore_errors=True)  # useless now, and removing it frees the space it took
-            previous = latest_checkpoint(self.output_dir)
-            kept = f"the previous checkpoint {previous} is intact" if previous else "there is no earlier checkpoint"
-            raise DiskFullError(errno.ENOSPC, f"disk full (no space left on device) while writing checkpoint {final} "
-                                f"(at {getattr(exc, 'filename', None) or tmp}); the partial checkpoint was removed "
-                                f"and {kept}: free space on {self.checkpoint_root} and run again (it resumes from "
-                                "there)") from exc
-        if acc.is_main_process and self.config.keep_checkpoints > 0:  # only now that the new one is complete
-            for _, old in list_checkpoints(self.output_dir)[:-self.config.keep_checkpoints]:
-                _remove_dir(old)
-        acc.wait_for_everyone()
-        return final
+        """Write output_dir/checkpoints/step-XXXXXX atomically (``omni.checkpointing``). Collective."""
+        return self.checkpointer.save(self.step)
 
-    def _write_checkpoint(self, tmp: Path, final: Path) -> None:
-        acc = self.accelerator
-        if acc.is_main_process:
-            if tmp.exists():
-                shutil.rmtree(tmp)
-            tmp.mkdir(parents=True)
-        acc.wait_for_everyone()
-        acc.save_state(str(tmp))  # main: model/optimizer/scheduler; every rank: its RNG file
-        _export.write_json(tmp / f"data_state_rank{acc.process_index}.json", self._stream.state())
-        acc.wait_for_everyone()
-        if acc.is_main_process:
-            _export.write_json(tmp / TRAINER_STATE, self._state_payload())
-            _export.write_checksums(tmp)  # every rank's files are in by now
-            _export.fsync_tree(tmp)
-            _export.write_json(tmp / COMPLETE_MARKER, {"step": self.step})
-            _export.fsync_dir(tmp)
-            if final.exists():  # a checkpoint of this step from an earlier (non-resumed) run
-                _remove_dir(final)
-            os.replace(tmp, final)
-            _export.fsync_dir(self.checkpoint_root)
-
-    def _clean_stale_dirs(self) -> None:
-        """Delete what killed runs left: checkpoint ``.tmp-*`` / ``.trash-*`` and export ``.final.tmp-*`` /
-        ``.final.old-*`` dirs. Only the holder of the run lock does, so no live run's temp dirs are touched."""
-        if self.accelerator.is_main_process and self._lock.held:
-            for d in [*_dirs_named(self.checkpoint_root, (".tmp-", ".trash-")),
-                      *_dirs_named(self.output_dir, (f".{EXPORT_DIR}.tmp-", f".{EXPORT_DIR}.old-"))]:
-                shutil.rmtree(d, ignore_errors=True)
-        self.accelerator.wait_for_everyone()
-
-    # -- resume --------------------------------------------------------------------------------------
-    def _resume(self) -> Path | None:
-        """Restore everything from the checkpoint ``_choose_checkpoint`` picks (on the main process, for
-        every rank); returns it (None: fresh start)."""
-        acc = self.accelerator
-        chosen, self._config_changed = self._on_main(self._choose_checkpoint)
-        if chosen is None:
-            self._stream.start(0, 0, None)
-            return None
-        ckpt = Path(chosen)
-        meta = json.loads((ckpt / TRAINER_STATE).read_text())
-        if meta["world_size"] != acc.num_processes:
-            raise ValueError(f"{ckpt} was written by {meta['world_size']} processes; resume it with "
-                             f"{meta['world_size']} (now {acc.num_processes}): per-rank data positions and RNG "
-                             f"streams do not map onto another number of ranks")
-        data_state = json.loads((ckpt / f"data_state_rank{acc.process_index}.json").read_text())
-        self._stream.start(data_state["epoch"], data_state["position"], data_state["loader"], data_state["rng"])
-        try:
-            acc.load_state(str(ckpt))
-        except Exception as exc:
-            exc.add_note(f"omni.train: while restoring the checkpoint {ckpt}")
-            raise
-        self.step = int(meta["step"])
-        return ckpt
-
-    def _choose_checkpoint(self) -> tuple[str | None, bool]:
-        """Main process: the checkpoint to resume (None: start fresh) and whether its config differs from
-        this run's, as ``config.resume`` says (module docstring)."""
-        found = list_checkpoints(self.output_dir)
-        if self.config.resume == "never":
-            held = [str(p) for _, p in found[-1:]] + ([str(self.export_dir)] if self.export_dir.exists() else [])
-            if held:
-                raise RunExistsError(f"{self.output_dir} already holds a run ({', '.join(held)}) and resume='never': "
-                                     "use another output directory (--out), or resume='auto' to continue it")
-            return None, False
-        corrupt: list[tuple[Path, str]] = []
-        for _, ckpt in reversed(found):
-            try:
-                meta, shapes = _read_checkpoint(ckpt)
-            except IntegrityError as exc:
-                corrupt.append((ckpt, str(exc)))
-                continue
-            changed = self._compare_config(ckpt, meta)
-            self._check_shapes(ckpt, shapes)
-            for bad, why in corrupt:
-                warnings.warn(f"omni.train: {why}; resuming from the previous intact checkpoint {ckpt} instead "
-                              f"({bad.name} is kept as {_set_aside(bad).name})", stacklevel=3)
-            return str(ckpt), changed
-        if corrupt:
-            raise IntegrityError(f"no intact checkpoint to resume in {self.checkpoint_root}; not training over them "
-                                 "from scratch:\n  " + "\n  ".join(why for _, why in corrupt) + "\nMove them away "
-                                 "to start fresh, or use another output directory (--out).")
-        if self.export_dir.exists():
-            print(f"omni.train: {self.output_dir} holds an export but no checkpoint to resume: training from "
-                  f"scratch, {self.export_dir} will be replaced at the end", flush=True)
-        return None, False
-
-    def _compare_config(self, ckpt: Path, meta: Mapping[str, Any]) -> bool:
-        """Whether the checkpoint's recorded run config differs from this run's (ResumeMismatchError under
-        resume="auto"). Checkpoints written before configs were recorded are taken as they are."""
-        old = meta.get("run_config")
-        differences = config_differences(old, self.run_config()) if isinstance(old, Mapping) else []
-        if differences and self.config.resume == "auto":
-            raise ResumeMismatchError(
-                f"{self.output_dir} holds a run with another config (checkpoint {ckpt}):\n  " + "\n  ".join(differences)
-                + "\nResuming would continue that run, not train this one. Pass resume='force' (recipes: --set "
-                "resume=force) to resume it with this config anyway, or use another output directory (--out).")
-        if differences:
-            print(f"omni.train: resume='force': resuming {ckpt} although the config differs:\n  "
-                  + "\n  ".join(differences), flush=True)
-        return bool(differences)
-
-    def _check_shapes(self, ckpt: Path, shapes: Mapping[str, tuple[int, ...]] | None) -> None:
-        """ResumeMismatchError naming every tensor whose checkpoint shape is not the model's, before
-        anything is loaded (whatever ``resume`` says: the weights cannot go into this model)."""
-        if shapes is None:  # sharded (FSDP): load_state's own error, with the checkpoint's path added
-            return
-        model = {k: tuple(v.shape) for k, v in unwrap(self.model).state_dict().items()}
-        wrong = [f"{k}: checkpoint {shapes[k]}, model {model[k]}" for k in sorted(shapes.keys() & model.keys())
-                 if shapes[k] != model[k]]
-        if wrong:
-            raise ResumeMismatchError(f"the checkpoint {ckpt} does not fit this model (another architecture?); "
-                                      "tensors of other shapes:\n  " + "\n  ".join(wrong)
-                                      + "\nTrain this model in another output directory (--out).")
-
-    def _finished(self) -> bool:
-        """Main process, after a resume at ``steps`` with the same config: whether the export is in place too
-        (or none is wanted). A damaged export is reported and written again."""
-        if not self.config.export:
-            return True
-        if not (self.export_dir / _export.CONFIG_NAME).is_file():
-            return False
-        try:
-            _export.verify_checksums(self.export_dir)
-        except IntegrityError as exc:
-            warnings.warn(f"omni.train: {exc}; exporting the final checkpoint again", stacklevel=3)
-            return False
-        return True
-
-    def _report_finished(self, ckpt: Path) -> dict[str, float]:
-        """What a re-run of a finished run returns: the metrics it recorded; nothing is trained or written."""
-        if self.accelerator.is_main_process:
-            exported = f" and its export {self.export_dir} is intact" if self.config.export else ""
-            print(f"omni.train: {self.output_dir} already finished: {ckpt} is at step {self.step} of "
-                  f"{self.config.steps}{exported}; nothing to do (use another output directory to train anew)",
-                  flush=True)
-        try:
-            results = json.loads((self.output_dir / RESULTS_NAME).read_text())
-        except (OSError, ValueError):  # finished before results were recorded
-            results = {}
-        return {**results, "step": self.step}
-
-    # -- one optimizer step --------------------------------------------------------------------------
-    def _loss(self, batch: Any) -> tuple[Tensor, dict[str, Tensor]]:
-        with self.accelerator.autocast():
-            out = self.loss_fn(self.model, batch) if self.loss_fn is not None else self.model(batch)
-        loss, metrics = (out if isinstance(out, tuple) else (out, {}))
-        if not isinstance(loss, Tensor) or loss.numel() != 1:
-            raise TypeError(f"the loss must be a scalar Tensor, got {type(loss).__name__}"
-                            f"{tuple(loss.shape) if isinstance(loss, Tensor) else ''}")
-        dev = self.accelerator.device
-        return loss.reshape(()), {k: torch.as_tensor(v, dtype=torch.float32, device=dev).detach().reshape(())
-                                  for k, v in metrics.items()}
-
-    def _train_step(self) -> dict[str, float]:
-        if self.config.cuda_graph:
-            return self._graph_train_step()
-        acc, cfg = self.accelerator, self.config
-        step = self.step + 1  # the step being computed (1-based: step-000003 holds the state after it)
-        dev = acc.device
-        where: list[tuple[int, int, list[str] | None]] = []
-        flags, loss_sum, samples = [], torch.zeros((), device=dev), 0
-        tokens = torch.zeros((), device=dev)
-        metric_sums: dict[str, Tensor] = {}
-        for micro in range(cfg.grad_accum):
-            batch, epoch, index = self._stream.next()
-            where.append((epoch, index, batch_keys(batch)))
-            samples += _count_samples(batch)
-            n_tok = _count_tokens(batch)
-            if n_tok is not None:
-                tokens = tokens + n_tok.to(dev)
-            if not self._train_prepared:
-                from accelerate.utils import send_to_device
-
-                batch = send_to_device(batch, dev, non_blocking=True)
-            sync = contextlib.nullcontext() if micro == cfg.grad_accum - 1 else acc.no_sync(self.model)
-            with sync:
-                loss, metrics = self._loss(batch)
-                acc.backward(loss / cfg.grad_accum)
-            flags.append((~torch.isfinite(loss.detach())).float())
-            loss_sum = loss_sum + loss.detach().float()
-            for k, v in metrics.items():
-                metric_sums[k] = metric_sums.get(k, 0.0) + v
-        if self._metric_names is None:
-            self._metric_names = sorted(metric_sums)
-        if sorted(metric_sums) != self._metric_names:
-            raise ValueError(f"loss_fn metrics changed at step {step}: {sorted(metric_sums)} "
-                             f"instead of {self._metric_names}")
-        max_norm = cfg.clip_norm if cfg.clip_norm and cfg.clip_norm > 0 else float("inf")
-        norm = acc.clip_grad_norm_(self.model.parameters(), max_norm)
-        norm = norm if isinstance(norm, Tensor) else torch.tensor(float(norm))
-        if hasattr(norm, "full_tensor"):  # FSDP2: a replicated DTensor, which torch.cat below refuses
-            norm = norm.full_tensor()
-        # One small all-reduce and one host sync per step: global loss/metrics for logging, and the
-        # non-finite flags every rank must agree on before anyone steps the optimizer.
-        packed = torch.stack([loss_sum, *[metric_sums[k] for k in self._metric_names], tokens,
-                              torch.tensor(float(samples), device=dev), *flags])
-        if acc.num_processes > 1:
-            packed = acc.reduce(packed, reduction="sum")
-        values = torch.cat([packed, norm.detach().float().reshape(1).to(dev)]).tolist()
-        n_micro = cfg.grad_accum * acc.num_processes
-        bad = values[-1 - cfg.grad_accum:-1]
-        grad_norm = values[-1]
-        if any(b > 0 for b in bad):
-            self._raise_non_finite(step, "loss", [(m, *w) for m, w in enumerate(where) if flags[m].item() > 0])
-        if not math.isfinite(grad_norm) and acc.mixed_precision != "fp16":  # fp16: the scaler skips it
-            self._raise_non_finite(step, "gradient norm", [(m, *w) for m, w in enumerate(where)])
-        lr = self.scheduler.get_last_lr()[0]
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        k = len(self._metric_names)
-        out = {"loss": values[0] / n_micro, "lr": lr, "grad_norm": grad_norm,
-               "tokens": values[1 + k], "samples": values[2 + k]}
-        out.update({name: values[1 + i] / n_micro for i, name in enumerate(self._metric_names)})
-        return out
-
-    def _graph_train_step(self) -> dict[str, float]:
-        """``_train_step`` with config.cuda_graph: one replay of the captured step, then the same logging
-        values and non-finite checks (after the fact: the optimizer step is part of the graph)."""
-        from torch.utils._pytree import tree_flatten
-
-        acc, step = self.accelerator, self.step + 1
-        batch, epoch, index = self._stream.next()
-        where = [(epoch, index, batch_keys(batch))]
-        samples, n_tok = _count_samples(batch), _count_tokens(batch)
-        if not self._train_prepared:
-            from accelerate.utils import send_to_device
-
-            batch = send_to_device(batch, acc.device, non_blocking=True)
-        leaves, spec = tree_flatten(batch)
-        is_tensor = [isinstance(x, Tensor) for x in leaves]
-        tensors = [x for x in leaves if isinstance(x, Tensor)]
-        if self._graph is None:
-            self._build_graph(tensors, spec, is_tensor)
-        elif (spec, is_tensor) != self._graph_layout:
-            raise ValueError(f"cuda_graph: batch {index} of epoch {epoch} is structured differently from the "
-                             f"captured first batch ({spec} vs {self._graph_layout[0]}); a CUDA graph replays one "
-                             "fixed batch layout")
-        lr = float(self.scheduler.get_last_lr()[0])
-        try:
-            loss = self._graph(*tensors)
-        except ValueError as exc:  # a shape or dtype that differs from the captured batch
-            raise ValueError(f"cuda_graph: batch {index} of epoch {epoch}: {exc}") from exc
-        self.scheduler.step()
-        names = self._metric_names or []
-        tokens = n_tok.to(acc.device).float() if n_tok is not None else torch.zeros((), device=acc.device)
-        values = torch.stack([loss.float(), *[self._graph_metrics[k] for k in names], tokens,
-                              self._graph.grad_norm.float()]).tolist()
-        if not math.isfinite(values[0]):
-            self._raise_non_finite(step, "loss", [(0, *where[0])], step_taken=True)
-        if not math.isfinite(values[-1]):
-            self._raise_non_finite(step, "gradient norm", [(0, *where[0])], step_taken=True)
-        out = {"loss": values[0], "lr": lr, "grad_norm": values[-1], "tokens": values[-2], "samples": samples}
-        out.update({name: values[1 + i] for i, name in enumerate(names)})
-        return out
-
-    def _build_graph(self, tensors: list[Tensor], spec: Any, is_tensor: list[bool]) -> None:
-        """Capture the step on the first batch (after any resume, so it reads the restored optimizer state).
-        The optimizer becomes what capture needs: a tensor LR per group on the device (the scheduler fills
-        it in place; float64 on CPU keeps results bit-identical to a float LR), fused + capturable on CUDA."""
-        from torch.utils._pytree import tree_unflatten
-
-        from omni.cuda_graphs import GraphedTrainStep
-
-        acc, cfg = self.accelerator, self.config
-        dev = acc.device
-        cuda = dev.type == "cuda"
-        opt = getattr(self.optimizer, "optimizer", self.optimizer)  # the torch optimizer inside Accelerate's
-        for group in opt.param_groups:
-            group["lr"] = torch.tensor(float(group["lr"]), dtype=torch.float32 if cuda else torch.float64,
-                                       device=dev)
-            if cuda:
-                group["fused"], group["capturable"] = True, True
-        if cuda:
-            for state in opt.state.values():
-                if "step" in state:
-                    state["step"] = state["step"].to(device=dev, dtype=torch.float32)
-
-        def loss_of_tensors(model: nn.Module, *tensors: Tensor) -> Tensor:
-            it = iter(tensors)
-            batch = tree_unflatten([next(it) if t else None for t in is_tensor], spec)
-            loss, metrics = self._loss(batch)
-            self._graph_metrics = metrics  # the captured call's outputs: every replay overwrites them
-            return loss
-
-        clip = cfg.clip_norm if cfg.clip_norm and cfg.clip_norm > 0 else float("inf")  # inf: norm logged only
-        self._graph = GraphedTrainStep(self.model, loss_of_tensors, opt, tensors, clip_norm=clip)
-        self._graph_layout = (spec, is_tensor)
-        self._metric_names = sorted(self._graph_metrics)
-
-    def _raise_non_finite(self, step: int, what: str, local: list[tuple], step_taken: bool = False) -> None:
-        """Collective: every rank gathers every rank's culprits and raises the same error."""
-        from accelerate.utils import gather_object
-
-        acc = self.accelerator
-        culprits = gather_object([(acc.process_index, *c) for c in local]) if acc.num_processes > 1 else \
-            [(acc.process_index, *c) for c in local]
-        def show(keys: list[str] | None) -> str:
-            if keys is None:
-                return "(batch has no keys)"
-            return str(keys) if len(keys) <= 32 else f"{keys[:32]} ... ({len(keys)} keys)"
-
-        lines = [f"  rank {r} micro-batch {m} (epoch {e}, batch {i} of the epoch): keys {show(keys)}"
-                 for r, m, e, i, keys in culprits]
-        last = latest_checkpoint(self.output_dir)
-        taken = ("the optimizer step was already taken inside the CUDA graph (cuda_graph), so the weights in "
-                 "memory are unusable" if step_taken else "the optimizer step was not taken")
-        raise NonFiniteLossError(
-            f"non-finite {what} at step {step}; {taken} and nothing was saved for this step (last complete "
-            f"checkpoint: {last if last else 'none'}). Batches:\n" + "\n".join(lines))
-
-    # -- evaluation ----------------------------------------------------------------------------------
     @property
     def evaluates(self) -> bool:
         """Whether ``fit`` evaluates: there is eval data or a ``model_metrics_fn``."""
-        return self.eval_data is not None or self.model_metrics_fn is not None
+        return self.evaluator.data is not None or self.model_metrics_fn is not None
 
-    @torch.no_grad()
     def evaluate(self, data: Iterable[Any] | None = None, *, model_metrics: bool = True) -> dict[str, float]:
         """Mean of every eval metric over the whole eval set (``data``, default the Trainer's eval data)
         and all ranks, plus (``model_metrics``) the ``model_metrics_fn`` values, as {"eval/<name>": value}.
         Collective: call it on every rank."""
-        acc = self.accelerator
-        prepared = self._eval_prepared
-        if data is not None:
-            prepared = self._should_prepare(data)
-            data = acc.prepare_data_loader(data) if prepared else data
-        else:
-            data = self.eval_data
-        hook = self.model_metrics_fn if model_metrics else None
-        if data is None and hook is None:
-            return {}
-        dev = acc.device
-        sums: dict[str, Tensor] = {}  # rank-local partial sums (summed across ranks at the end)
-        counts: dict[str, Tensor] = {}
-        whole: dict[str, float] = {}  # this rank's model_metrics_fn values
-        self.model.eval()
-        try:
-            with _preserved_rng():
-                for batch in data if data is not None else ():
-                    if batch is None:
-                        continue
-                    if not prepared:
-                        from accelerate.utils import send_to_device
+        return self.evaluator(self.model, self.step, data, self.model_metrics_fn if model_metrics else None)
 
-                        batch = send_to_device(batch, dev, non_blocking=True)
-                    if self.eval_fn is not None:
-                        with acc.autocast():
-                            out = dict(self.eval_fn(self.model, batch))
-                    else:
-                        out = {"loss": self._loss(batch)[0]}
-                    for name, v in out.items():
-                        v = torch.as_tensor(v, device=dev).detach().float()
-                        if prepared:
-                            # gather_for_metrics drops the samples Accelerate duplicates to even out the
-                            # last batch (per-sample values only; a 0-d per-batch value is gathered as is).
-                            # Sums are global now; divide by the world size as the final reduce sums again.
-                            g = acc.gather_for_metrics(v) if v.dim() > 0 else acc.gather(v.reshape(1))
-                            s = g.sum() / acc.num_processes
-                            c = torch.tensor(g.numel() / acc.num_processes, device=dev)
-                        else:
-                            s, c = v.sum(), torch.tensor(float(v.numel()), device=dev)
-                        sums[name] = sums.get(name, 0.0) + s
-                        counts[name] = counts.get(name, 0.0) + c
-                if hook is not None:
-                    with acc.autocast():
-                        whole = {str(k): self._scalar(k, v) for k, v in hook(self.model, self.step).items()}
-        finally:
-            self.model.train()
-        names = sorted(sums)
-        ranks_whole = [whole]
-        if acc.num_processes > 1:  # a rank may have had no batches: agree on the names first
-            from accelerate.utils import gather_object
-
-            gathered = gather_object([(names, whole)])  # one object gather: eval_fn names, hook values
-            names = sorted(set().union(*[set(n) for n, _ in gathered]))
-            ranks_whole = [w for _, w in gathered]
-        clash = set(names) & set().union(*ranks_whole)
-        if clash:  # the same on every rank (gathered), so every rank raises
-            raise ValueError(f"model_metrics_fn returned eval_fn's metric name(s) {sorted(clash)}")
-        zero = torch.zeros((), device=dev)
-        packed = torch.stack([*(sums.get(n, zero) for n in names), *(counts.get(n, zero) for n in names)]) \
-            if names else torch.zeros(0, device=dev)
-        if acc.num_processes > 1 and names:
-            packed = acc.reduce(packed, reduction="sum")
-        vals = packed.tolist()
-        out = {f"eval/{n}": vals[i] / max(vals[len(names) + i], 1e-12) for i, n in enumerate(names)}
-        for n in sorted(set().union(*ranks_whole)):  # mean over the ranks that returned it (python floats)
-            reported = [w[n] for w in ranks_whole if n in w]
-            out[f"eval/{n}"] = sum(reported) / len(reported)
-        return out
-
-    @staticmethod
-    def _scalar(name: Any, value: Any) -> float:
-        """A model_metrics_fn value as a python float (a number or a one-element Tensor)."""
-        if isinstance(value, Tensor):
-            if value.numel() != 1:
-                raise TypeError(f"model_metrics_fn value {name!r} must be a scalar, got a Tensor of shape "
-                                f"{tuple(value.shape)}")
-            return float(value.detach().reshape(()).item())
-        return float(value)
-
-    # -- export --------------------------------------------------------------------------------------
     def export(self, directory: str | os.PathLike | None = None) -> Path:
         """Write the final model (main process) for ``omni.export.load_pretrained``. Collective."""
         acc = self.accelerator
@@ -1323,83 +643,54 @@ class Trainer:
         return results
 
     def _fit(self) -> dict[str, float]:
-        from tqdm.auto import tqdm
-
         acc, cfg = self.accelerator, self.config
-        self._clean_stale_dirs()
-        resumed = self._resume()
-        if resumed and not self._config_changed and self.step >= cfg.steps and self._on_main(self._finished):
-            return self._report_finished(resumed)
+        self.checkpointer.clean_stale(owner=self._lock.held)
+        resumed, self.step, changed = self.checkpointer.restore()
+        if resumed and not changed and self.step >= cfg.steps and self.checkpointer.finished():
+            return self.checkpointer.report_finished(resumed, self.step)
         if acc.trackers == [] and acc.log_with:
             acc.init_trackers(cfg.run_name, config=flatten_config({**cfg.to_dict(), **self.hparams}))
         if resumed and acc.is_main_process:
             print(f"omni.train: resumed from {resumed} at step {self.step}", flush=True)
-        # tqdm redraws its line with carriage returns: in a log file (stderr not a terminal) that is one
-        # endless line, so there the main process prints a plain line per log step instead.
-        show_bar = acc.is_main_process and cfg.progress and _is_terminal(sys.stderr)
-        print_lines = acc.is_main_process and not show_bar
-        bar = tqdm(total=cfg.steps, initial=self.step, desc="train", dynamic_ncols=True, disable=not show_bar)
         last_ckpt = self.step if resumed else None
         last_eval: int | None = None
         results: dict[str, float] = {}
-        window: list[dict[str, float]] = []
-        t0 = time.perf_counter()
         self.model.train()
-        with _StopOnSignal() as stop:
-            try:
-                while self.step < cfg.steps:
-                    record = self._train_step()
-                    self.step += 1
-                    window.append(record)
-                    bar.update(1)
-                    if (cfg.log_every > 0 and self.step % cfg.log_every == 0) or self.step == cfg.steps:
-                        dt = max(time.perf_counter() - t0, 1e-9)
-                        logged = self._summarise(window, dt, self._stream.epoch)
-                        acc.log(logged, step=self.step)
-                        bar.set_postfix(loss=f"{logged['train/loss']:.4g}", lr=f"{logged['train/lr']:.3g}")
-                        if print_lines:
-                            print(f"step {self.step}/{cfg.steps}: " + ", ".join(
-                                f"{k.removeprefix('train/')} {v:.4g}" for k, v in logged.items())
-                                + f", it/s {len(window) / dt:.3g}", flush=True)
-                        results.update(logged)
-                        window, t0 = [], time.perf_counter()
-                    if cfg.eval_every > 0 and self.step % cfg.eval_every == 0 and self.evaluates:
-                        results.update(self._eval_and_log(bar))
-                        last_eval = self.step
-                    if cfg.checkpoint_every > 0 and self.step % cfg.checkpoint_every == 0:
-                        self.save_checkpoint()
-                        last_ckpt = self.step
-                    if self.step < cfg.steps and (signum := self._stop_signal(stop)):
-                        self._stop_here(signum, saved=last_ckpt == self.step)
-                if self.evaluates and last_eval != self.step:
-                    results.update(self._eval_and_log(bar))
-                if cfg.checkpoint_every > 0 and last_ckpt != self.step:
+        with _StopOnSignal() as stop, _Progress(acc, cfg, self.step) as progress:
+            while self.step < cfg.steps:
+                record = self._train_step()
+                self.step += 1
+                results.update(progress.step(self.step, record, self.data.epoch))
+                if cfg.eval_every > 0 and self.step % cfg.eval_every == 0 and self.evaluates:
+                    results.update(self._evaluate_and_log(progress))
+                    last_eval = self.step
+                if cfg.checkpoint_every > 0 and self.step % cfg.checkpoint_every == 0:
                     self.save_checkpoint()
-                if cfg.export:
-                    self.export()
-            finally:
-                bar.close()
+                    last_ckpt = self.step
+                if self.step < cfg.steps and (signum := stop.agreed(acc, self.step, cfg.log_every)):
+                    self._stop_here(signum, saved=last_ckpt == self.step)
+            if self.evaluates and last_eval != self.step:
+                results.update(self._evaluate_and_log(progress))
+            if cfg.checkpoint_every > 0 and last_ckpt != self.step:
+                self.save_checkpoint()
+            if cfg.export:
+                self.export()
         results["step"] = self.step
-        if acc.is_main_process:  # for a re-run of this finished run (_report_finished)
-            _export.write_json(self.output_dir / RESULTS_NAME, results)
+        self.checkpointer.record_results(results)  # for a re-run of this finished run
         return results
 
-    def _stop_signal(self, stop: _StopOnSignal) -> int | None:
-        """The stop signal this run has received, agreed by every rank: a rank alone may have got it, and the
-        checkpoint that follows is collective. Several processes compare notes every ``log_every`` steps
-        (a scalar all-reduce; every step would cost a device sync per step), one process every step."""
-        acc = self.accelerator
-        if acc.num_processes == 1:
-            return stop.signum
-        if self.step % max(self.config.log_every, 1):
-            return None
-        flag = torch.tensor([stop.signum or 0], device=acc.device)
-        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
-        return int(flag.item()) or None
+    def _train_step(self) -> dict[str, float]:
+        """Optimizer step ``self.step + 1`` on the next batches: the step strategy's record."""
+        return self.stepper.step(self.model, self.data, self.step + 1)
+
+    def _evaluate_and_log(self, progress: _Progress) -> dict[str, float]:
+        metrics = self.evaluate()
+        progress.evaluated(self.step, metrics)
+        return metrics
 
     def _stop_here(self, signum: int, saved: bool) -> None:
         """Checkpoint this step (unless just done) and raise TrainingInterrupted."""
-        path = self.checkpoint_root / f"step-{self.step:06d}" if saved else self.save_checkpoint()
+        path = self.checkpointer.path(self.step) if saved else self.save_checkpoint()
         raise TrainingInterrupted(f"stopped by {signal.Signals(signum).name} at step {self.step} of "
                                   f"{self.config.steps}; checkpoint {path}: run the same command again to resume",
                                   signum)
@@ -1408,10 +699,10 @@ class Trainer:
         """Finish the trackers, tear down the process group and release output_dir; ``self.model`` becomes
         the plain module.
 
-        The DDP wrapper is freed first: its C++ Reducer holds the gloo process group, and a process group
-        destroyed through the Reducer blocks while holding the GIL on gloo threads that need the GIL
-        (torch #56297), an intermittent hang at exit. Freed through ``destroy_process_group`` instead,
-        the GIL is released."""
+        The DDP wrapper is freed first (the components never keep it): its C++ Reducer holds the gloo process
+        group, and a process group destroyed through the Reducer blocks while holding the GIL on gloo
+        threads that need the GIL (torch #56297), an intermittent hang at exit. Freed through
+        ``destroy_process_group`` instead, the GIL is released."""
         import gc
 
         acc = self.accelerator
@@ -1423,27 +714,9 @@ class Trainer:
         finally:
             self._lock.release()
 
-    def _eval_and_log(self, bar: Any) -> dict[str, float]:
-        metrics = self.evaluate()
-        self.accelerator.log(metrics, step=self.step)
-        if self.accelerator.is_main_process and metrics:
-            bar.write(f"step {self.step}: " + ", ".join(f"{k} {v:.4g}" for k, v in metrics.items()))
-        return metrics
-
-    def _summarise(self, window: list[dict[str, float]], seconds: float, epoch: int) -> dict[str, float]:
-        n = len(window)
-        out = {"train/loss": sum(r["loss"] for r in window) / n, "train/lr": window[-1]["lr"],
-               "train/grad_norm": sum(r["grad_norm"] for r in window) / n,
-               "train/samples_per_s": sum(r["samples"] for r in window) / seconds, "train/epoch": float(epoch)}
-        tokens = sum(r["tokens"] for r in window)
-        if tokens:
-            out["train/tokens_per_s"] = tokens / seconds
-        for name in self._metric_names or []:
-            out[f"train/{name}"] = sum(r[name] for r in window) / n
-        return out
-
 
 __all__ = ["DiskFullError", "IntegrityError", "LockedError", "NonFiniteLossError", "RESUME_IGNORED", "RESUME_MODES",
-           "ResumeMismatchError", "RunExistsError", "TrainConfig", "Trainer", "batch_keys", "config_differences",
-           "default_param_groups", "flatten_config", "latest_checkpoint", "list_checkpoints", "lr_multiplier",
-           "run_config", "seed_everything", "unwrap"]
+           "ResumeMismatchError", "RunExistsError", "TrainConfig", "Trainer", "TrainingInterrupted", "batch_keys",
+           "build_accelerator", "build_optimizer", "config_differences", "default_param_groups", "flatten_config",
+           "latest_checkpoint", "list_checkpoints", "lr_multiplier", "process_state", "run_config", "seed_everything",
+           "unwrap", "use_cpu"]

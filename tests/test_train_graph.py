@@ -32,7 +32,7 @@ def test_graph_step_trains_exactly_like_the_plain_loop(tmp_path):
                                  eval_data=W.ListLoader(x, y, 4), eval_every=3)
     graph, res_graph = W.run_mlp(tmp_path / "graph", steps=7, grad_accum=1, dropout=0.3, cuda_graph=True,
                                  eval_data=W.ListLoader(x, y, 4), eval_every=3)
-    assert graph._graph is not None and not graph._graph.graphed  # CPU: the eager path of the graph step
+    assert graph.stepper.graph is not None and not graph.stepper.graph.graphed  # CPU: the eager path of the graph step
     _assert_equal(_weights(tmp_path / "plain" / "final"), _weights(tmp_path / "graph" / "final"))
     for key in ("train/loss", "train/lr", "train/grad_norm", "train/acc", "eval/loss"):
         assert res_graph[key] == res_plain[key], key

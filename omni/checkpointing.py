@@ -1,0 +1,411 @@
+"""Checkpoints and resume for ``omni.train.Trainer``: the state of a run directory.
+
+* Layout. ``output_dir/checkpoints/step-000100/`` holds Accelerate's ``save_state`` (model, optimizer,
+  scheduler, grad scaler, per-rank RNG; sharded torch.distributed.checkpoint files under FSDP), each rank's
+  data position (``data_state_rank<r>.json``: ``omni.steps.DataStream.state``), ``trainer_state.json``
+  (step, world size, the run's config), ``checksums.json`` (every file's sha256) and a ``COMPLETE`` marker.
+* Atomic writes. A checkpoint is written as ``.tmp-step-000100/``, everything fsynced, the marker last, and
+  renamed into place by the main process: a crash at any moment leaves the previous checkpoint intact, and
+  only directories with the marker are listed (``list_checkpoints``). Old checkpoints (beyond
+  ``keep_checkpoints``) are renamed to ``.trash-*`` before deletion and only once the new one is complete,
+  so a half-deleted one never looks like a checkpoint. A full disk (ENOSPC) raises ``DiskFullError`` naming
+  the checkpoint; its partial directory is removed. ``clean_stale`` deletes the temp dirs killed runs left
+  (checkpoint ``.tmp-*`` / ``.trash-*``, export ``.final.tmp-*`` / ``.final.old-*``); the Trainer calls it
+  only while it holds the run lock, so no live run's temp dirs are touched.
+* Resume modes (``TrainConfig.resume``). "auto": the newest intact checkpoint when its recorded run config
+  (``run_config``: TrainConfig + hparams + export config, flattened) matches this run's, else
+  ``ResumeMismatchError`` listing ``key: old -> new``; "force": resume even so; "never": ``RunExistsError``
+  if the directory holds checkpoints or an export. Keys in ``RESUME_IGNORED`` may differ.
+* Integrity. A checkpoint whose files differ from their checksums (or are missing, truncated, unreadable) is
+  reported, renamed to ``corrupt-step-*`` and the previous one is used; if none is intact, ``IntegrityError``
+  lists why rather than training over them from scratch. A checkpoint whose tensors do not fit the model
+  (another architecture, even under "force") is refused naming the parameters and both shapes.
+* Resume needs the number of processes that wrote the checkpoint (per-rank data positions and RNG streams).
+* A finished run (checkpoint at ``steps`` with the same config, intact export) is not trained again: the
+  metrics it recorded in ``train_results.json`` are returned. A damaged export is reported and rewritten.
+
+Decisions about the directory are made on the main process and shared with every rank (``on_main``): one
+decision, and a failure raised on every rank instead of leaving the others waiting in a collective.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import math
+import os
+import re
+import shutil
+import time
+import warnings
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+from torch import Tensor, nn
+
+from omni import export as _export
+from omni.export import DiskFullError, IntegrityError
+
+CHECKPOINT_DIR = _export.RUN_CHECKPOINT_DIR
+EXPORT_DIR = _export.RUN_EXPORT_DIR
+COMPLETE_MARKER = _export.CHECKPOINT_MARKER
+TRAINER_STATE = "trainer_state.json"
+RESULTS_NAME = "train_results.json"  # the metrics fit returned, for a re-run of a finished run
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+RESUME_MODES = ("auto", "force", "never")
+# Config keys (the last part of a flattened key, in TrainConfig and in the recipe's hparams, which has its
+# own names for some: out, workers, *_every_epochs) that may differ when a run is resumed: where the run
+# lives, how it is shown and logged, how often it evaluates and checkpoints, how it executes. None changes
+# what a step computes (evaluation runs under saved-and-restored RNG streams, checkpoints only read state,
+# compile / cuda_graph / loader workers compute the same steps), so the resumed run still ends where the
+# uninterrupted one would. max_corrupt_fraction only decides when corrupt data stops the run (raising it is
+# how a run stopped that way continues). Everything else (steps, lr, data, seed, model, eval settings) counts.
+RESUME_IGNORED = frozenset({
+    "output_dir", "out", "resume", "progress", "report_to", "run_name", "log_every",
+    "eval_every", "eval_every_epochs", "checkpoint_every", "checkpoint_every_epochs", "keep_checkpoints",
+    "export", "compile", "cuda_graph", "find_unused_parameters", "workers", "num_workers", "max_corrupt_fraction",
+})
+
+
+class ResumeMismatchError(ValueError):
+    """The output directory holds a run this one cannot continue: another config (resume="auto"), or
+    tensors of other shapes (another architecture, whatever ``resume`` says)."""
+
+
+class RunExistsError(ValueError):
+    """resume="never" and the output directory already holds checkpoints or an export."""
+
+
+# ----------------------------------------------------------------------------------------------------
+# What defines a run
+
+
+def flatten_config(config: Mapping[str, Any], prefix: str = "") -> dict[str, int | float | str | bool]:
+    """Nested config -> flat {"a.b": scalar} that TensorBoard's hparams accepts (it rejects nested dicts).
+    Lists/tuples/None/other objects become strings."""
+    flat: dict[str, int | float | str | bool] = {}
+    for k, v in config.items():
+        name = f"{prefix}{k}"
+        if isinstance(v, Mapping):
+            flat.update(flatten_config(v, prefix=f"{name}."))
+        elif isinstance(v, (bool, int, float, str)):
+            flat[name] = v
+        elif isinstance(v, Tensor) and v.numel() == 1:
+            flat[name] = v.item()
+        else:
+            flat[name] = str(v)
+    return flat
+
+
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+
+
+def run_config(train: Any, hparams: Mapping[str, Any], export_config: Mapping[str, Any]) -> dict[str, Any]:
+    """What defines a run (``train``: its TrainConfig), flattened (``train.lr``, ``hparams.model.widths``,
+    ``export.trunk.d_model``): saved in every checkpoint and compared on resume. Object addresses in
+    stringified values are dropped: they differ from process to process."""
+    flat = flatten_config({"train": train.to_dict(), "hparams": hparams, "export": export_config})
+    return {k: _ADDRESS.sub("", v) if isinstance(v, str) else v for k, v in flat.items()}
+
+
+def config_differences(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[str]:
+    """``key: old -> new`` for every flattened key that differs, except the ``RESUME_IGNORED`` ones (which
+    never apply to the export config: that is the model itself)."""
+    lines = []
+    for key in sorted(set(old) | set(new)):
+        if not key.startswith("export.") and key.rsplit(".", 1)[-1] in RESUME_IGNORED:
+            continue
+        a, b = old.get(key, _ABSENT), new.get(key, _ABSENT)
+        if not (a == b or (isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b))):
+            lines.append(f"{key}: {a!r} -> {b!r}")
+    return lines
+
+
+class _Absent:
+    def __repr__(self) -> str:
+        return "(absent)"
+
+
+_ABSENT = _Absent()
+
+
+# ----------------------------------------------------------------------------------------------------
+# The directory
+
+
+def list_checkpoints(output_dir: str | os.PathLike) -> list[tuple[int, Path]]:
+    """Complete checkpoints under output_dir/checkpoints, oldest first (temp/trash dirs ignored)."""
+    root = Path(output_dir) / CHECKPOINT_DIR
+    if not root.is_dir():
+        return []
+    found = []
+    for d in root.iterdir():
+        m = _STEP_DIR.match(d.name)
+        if m and d.is_dir() and (d / COMPLETE_MARKER).is_file():
+            found.append((int(m.group(1)), d))
+    return sorted(found)
+
+
+def latest_checkpoint(output_dir: str | os.PathLike) -> Path | None:
+    ckpts = list_checkpoints(output_dir)
+    return ckpts[-1][1] if ckpts else None
+
+
+def on_main(accelerator: Any, fn: Callable[[], Any]) -> Any:
+    """``fn()`` on the main process only, its result or exception shared with every rank (module docstring)."""
+    outcome: list[Any] = [None]
+    if accelerator.is_main_process:
+        try:
+            outcome[0] = (True, fn())
+        except Exception as exc:
+            outcome[0] = (False, exc)
+    if accelerator.num_processes > 1:
+        from accelerate.utils import broadcast_object_list
+
+        broadcast_object_list(outcome)
+    ok, value = outcome[0]
+    if not ok:
+        raise value
+    return value
+
+
+def _remove_dir(path: Path) -> None:
+    """Rename away, then delete: an interrupted delete never leaves a directory that looks valid."""
+    trash = path.with_name(f".trash-{path.name}-{os.getpid()}-{time.monotonic_ns()}")
+    os.replace(path, trash)
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def _dirs_named(root: Path, prefixes: tuple[str, ...]) -> list[Path]:
+    return [d for d in root.iterdir() if d.is_dir() and d.name.startswith(prefixes)] if root.is_dir() else []
+
+
+def _read_checkpoint(ckpt: Path) -> tuple[dict[str, Any], dict[str, tuple[int, ...]] | None]:
+    """A checkpoint's trainer state and stored model tensor shapes (None: no model.safetensors, e.g. FSDP
+    shards), once its files match their checksums; IntegrityError naming what is wrong otherwise.
+    Checkpoints written before checksums are only read."""
+    from safetensors import SafetensorError, safe_open
+
+    _export.verify_checksums(ckpt)
+    path = ckpt / TRAINER_STATE
+    try:
+        meta = json.loads(path.read_text())
+        path = ckpt / "model.safetensors"
+        if not path.is_file():
+            return meta, None
+        with safe_open(str(path), framework="pt") as f:
+            return meta, {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    except (OSError, ValueError, SafetensorError) as exc:
+        raise IntegrityError(f"{path} is unreadable ({exc})") from exc
+
+
+def _set_aside(ckpt: Path) -> Path:
+    """Rename a corrupt checkpoint out of the listing: kept for inspection, never resumed or rotated away."""
+    target, n = ckpt.with_name(f"corrupt-{ckpt.name}"), 1
+    while target.exists():
+        target, n = ckpt.with_name(f"corrupt-{ckpt.name}-{n}"), n + 1
+    os.replace(ckpt, target)
+    return target
+
+
+# ----------------------------------------------------------------------------------------------------
+# The checkpointer
+
+
+class Checkpointer:
+    """Saves and restores a run in ``config.output_dir`` (module docstring). ``config``: the run's
+    TrainConfig (output_dir, resume, keep_checkpoints, export, compile); ``run_config``: its flattened
+    config (``run_config``); ``data``: the ``omni.steps.DataStream`` whose position is saved and restored;
+    ``model``: the plain module, for the shape check. Methods that touch the directory are collective."""
+
+    def __init__(self, accelerator: Any, config: Any, run_config: Mapping[str, Any], data: Any,
+                 model: nn.Module) -> None:
+        self.accelerator, self.config, self.run_config, self.data, self.model = \
+            accelerator, config, dict(run_config), data, model
+        self.output_dir = Path(config.output_dir)
+        self.root = self.output_dir / CHECKPOINT_DIR
+        self.export_dir = self.output_dir / EXPORT_DIR
+
+    def path(self, step: int) -> Path:
+        return self.root / f"step-{step:06d}"
+
+    # -- saving --------------------------------------------------------------------------------------
+    def save(self, step: int) -> Path:
+        """Write the checkpoint of optimizer step ``step`` atomically, then rotate old ones away."""
+        acc = self.accelerator
+        final = self.path(step)
+        tmp = final.with_name(f".tmp-{final.name}")
+        try:
+            self._write(tmp, final, step)
+        except Exception as exc:
+            if not _export.is_disk_full(exc):
+                raise
+            if acc.is_main_process:
+                shutil.rmtree(tmp, ignore_errors=True)  # useless now, and removing it frees the space it took
+            previous = latest_checkpoint(self.output_dir)
+            kept = f"the previous checkpoint {previous} is intact" if previous else "there is no earlier checkpoint"
+            raise DiskFullError(errno.ENOSPC, f"disk full (no space left on device) while writing checkpoint {final} "
+                                f"(at {getattr(exc, 'filename', None) or tmp}); the partial checkpoint was removed "
+                                f"and {kept}: free space on {self.root} and run again (it resumes from "
+                                "there)") from exc
+        if acc.is_main_process and self.config.keep_checkpoints > 0:  # only now that the new one is complete
+            for _, old in list_checkpoints(self.output_dir)[:-self.config.keep_checkpoints]:
+                _remove_dir(old)
+        acc.wait_for_everyone()
+        return final
+
+    def _write(self, tmp: Path, final: Path, step: int) -> None:
+        acc = self.accelerator
+        if acc.is_main_process:
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            tmp.mkdir(parents=True)
+        acc.wait_for_everyone()
+        acc.save_state(str(tmp))  # main: model/optimizer/scheduler; every rank: its RNG file
+        _export.write_json(tmp / f"data_state_rank{acc.process_index}.json", self.data.state())
+        acc.wait_for_everyone()
+        if acc.is_main_process:
+            _export.write_json(tmp / TRAINER_STATE, {
+                "step": step, "world_size": acc.num_processes, "compile": self.config.compile,
+                "train_prepared": self.data.prepared, "config": self.config.to_dict(),
+                "run_config": self.run_config, "time": time.time()})
+            _export.write_checksums(tmp)  # every rank's files are in by now
+            _export.fsync_tree(tmp)
+            _export.write_json(tmp / COMPLETE_MARKER, {"step": step})
+            _export.fsync_dir(tmp)
+            if final.exists():  # a checkpoint of this step from an earlier (non-resumed) run
+                _remove_dir(final)
+            os.replace(tmp, final)
+            _export.fsync_dir(self.root)
+
+    def clean_stale(self, owner: bool) -> None:
+        """Delete the temp dirs killed runs left, when ``owner`` (this process holds the run lock)."""
+        if self.accelerator.is_main_process and owner:
+            for d in [*_dirs_named(self.root, (".tmp-", ".trash-")),
+                      *_dirs_named(self.output_dir, (f".{EXPORT_DIR}.tmp-", f".{EXPORT_DIR}.old-"))]:
+                shutil.rmtree(d, ignore_errors=True)
+        self.accelerator.wait_for_everyone()
+
+    # -- resume --------------------------------------------------------------------------------------
+    def restore(self) -> tuple[Path | None, int, bool]:
+        """Restore everything from the checkpoint ``config.resume`` picks and start the data stream there
+        (at the beginning without one): (checkpoint or None, its step, whether its config differs)."""
+        acc = self.accelerator
+        chosen, changed = on_main(acc, self._choose)
+        if chosen is None:
+            self.data.start(0, 0, None)
+            return None, 0, False
+        ckpt = Path(chosen)
+        meta = json.loads((ckpt / TRAINER_STATE).read_text())
+        if meta["world_size"] != acc.num_processes:
+            raise ValueError(f"{ckpt} was written by {meta['world_size']} processes; resume it with "
+                             f"{meta['world_size']} (now {acc.num_processes}): per-rank data positions and RNG "
+                             f"streams do not map onto another number of ranks")
+        data_state = json.loads((ckpt / f"data_state_rank{acc.process_index}.json").read_text())
+        self.data.start(data_state["epoch"], data_state["position"], data_state["loader"], data_state["rng"])
+        try:
+            acc.load_state(str(ckpt))
+        except Exception as exc:
+            exc.add_note(f"omni.train: while restoring the checkpoint {ckpt}")
+            raise
+        return ckpt, int(meta["step"]), changed
+
+    def _choose(self) -> tuple[str | None, bool]:
+        """Main process: the checkpoint to resume (None: start fresh) and whether its config differs."""
+        found = list_checkpoints(self.output_dir)
+        if self.config.resume == "never":
+            held = [str(p) for _, p in found[-1:]] + ([str(self.export_dir)] if self.export_dir.exists() else [])
+            if held:
+                raise RunExistsError(f"{self.output_dir} already holds a run ({', '.join(held)}) and resume='never': "
+                                     "use another output directory (--out), or resume='auto' to continue it")
+            return None, False
+        corrupt: list[tuple[Path, str]] = []
+        for _, ckpt in reversed(found):
+            try:
+                meta, shapes = _read_checkpoint(ckpt)
+            except IntegrityError as exc:
+                corrupt.append((ckpt, str(exc)))
+                continue
+            changed = self._compare_config(ckpt, meta)
+            self._check_shapes(ckpt, shapes)
+            for bad, why in corrupt:
+                warnings.warn(f"omni.train: {why}; resuming from the previous intact checkpoint {ckpt} instead "
+                              f"({bad.name} is kept as {_set_aside(bad).name})", stacklevel=3)
+            return str(ckpt), changed
+        if corrupt:
+            raise IntegrityError(f"no intact checkpoint to resume in {self.root}; not training over them "
+                                 "from scratch:\n  " + "\n  ".join(why for _, why in corrupt) + "\nMove them away "
+                                 "to start fresh, or use another output directory (--out).")
+        if self.export_dir.exists():
+            print(f"omni.train: {self.output_dir} holds an export but no checkpoint to resume: training from "
+                  f"scratch, {self.export_dir} will be replaced at the end", flush=True)
+        return None, False
+
+    def _compare_config(self, ckpt: Path, meta: Mapping[str, Any]) -> bool:
+        """Whether the checkpoint's recorded run config differs from this run's (ResumeMismatchError under
+        resume="auto"). Checkpoints written before configs were recorded are taken as they are."""
+        old = meta.get("run_config")
+        differences = config_differences(old, self.run_config) if isinstance(old, Mapping) else []
+        if differences and self.config.resume == "auto":
+            raise ResumeMismatchError(
+                f"{self.output_dir} holds a run with another config (checkpoint {ckpt}):\n  " + "\n  ".join(differences)
+                + "\nResuming would continue that run, not train this one. Pass resume='force' (recipes: --set "
+                "resume=force) to resume it with this config anyway, or use another output directory (--out).")
+        if differences:
+            print(f"omni.train: resume='force': resuming {ckpt} although the config differs:\n  "
+                  + "\n  ".join(differences), flush=True)
+        return bool(differences)
+
+    def _check_shapes(self, ckpt: Path, shapes: Mapping[str, tuple[int, ...]] | None) -> None:
+        """ResumeMismatchError naming every tensor whose checkpoint shape is not the model's, before
+        anything is loaded (whatever ``resume`` says: the weights cannot go into this model)."""
+        if shapes is None:  # sharded (FSDP): load_state's own error, with the checkpoint's path added
+            return
+        model = {k: tuple(v.shape) for k, v in self.model.state_dict().items()}
+        wrong = [f"{k}: checkpoint {shapes[k]}, model {model[k]}" for k in sorted(shapes.keys() & model.keys())
+                 if shapes[k] != model[k]]
+        if wrong:
+            raise ResumeMismatchError(f"the checkpoint {ckpt} does not fit this model (another architecture?); "
+                                      "tensors of other shapes:\n  " + "\n  ".join(wrong)
+                                      + "\nTrain this model in another output directory (--out).")
+
+    # -- a finished run ------------------------------------------------------------------------------
+    def finished(self) -> bool:
+        """After a resume at ``steps`` with the same config: whether the export is in place too (or none is
+        wanted). A damaged export is reported (and written again by the run). Collective."""
+        return on_main(self.accelerator, self._export_intact)
+
+    def _export_intact(self) -> bool:
+        if not self.config.export:
+            return True
+        if not (self.export_dir / _export.CONFIG_NAME).is_file():
+            return False
+        try:
+            _export.verify_checksums(self.export_dir)
+        except IntegrityError as exc:
+            warnings.warn(f"omni.train: {exc}; exporting the final checkpoint again", stacklevel=3)
+            return False
+        return True
+
+    def report_finished(self, ckpt: Path, step: int) -> dict[str, float]:
+        """What a re-run of a finished run returns: the metrics it recorded; nothing is trained or written."""
+        if self.accelerator.is_main_process:
+            exported = f" and its export {self.export_dir} is intact" if self.config.export else ""
+            print(f"omni.train: {self.output_dir} already finished: {ckpt} is at step {step} of "
+                  f"{self.config.steps}{exported}; nothing to do (use another output directory to train anew)",
+                  flush=True)
+        try:
+            results = json.loads((self.output_dir / RESULTS_NAME).read_text())
+        except (OSError, ValueError):  # finished before results were recorded
+            results = {}
+        return {**results, "step": step}
+
+    def record_results(self, results: Mapping[str, float]) -> None:
+        """Keep what ``fit`` returned, for a re-run of this finished run (main process writes)."""
+        if self.accelerator.is_main_process:
+            _export.write_json(self.output_dir / RESULTS_NAME, results)
+
+
+__all__ = ["CHECKPOINT_DIR", "COMPLETE_MARKER", "Checkpointer", "DiskFullError", "EXPORT_DIR", "IntegrityError",
+           "RESULTS_NAME", "RESUME_IGNORED", "RESUME_MODES", "ResumeMismatchError", "RunExistsError", "TRAINER_STATE",
+           "config_differences", "flatten_config", "latest_checkpoint", "list_checkpoints", "on_main", "run_config"]
