@@ -324,8 +324,9 @@ def _fsdp_on_cpu(accelerator: Any, plugin: Any = None) -> None:
     MULTI_NEURON]`` (accelerate/state.py), so under ACCELERATE_USE_CPU the run silently becomes plain DDP
     (MULTI_CPU) and the plugin is dropped. torch's ``fully_shard`` works on CPU over gloo, and so does
     Accelerate's FSDP2 code (prepare, no_sync, clip_grad_norm_, get_state_dict, sharded save_state /
-    load_state) once the state names FSDP: switch it here, before anything is prepared. Both shared
-    states are set: every ``AcceleratorState()`` re-reads PartialState's distributed_type."""
+    load_state) once the state names FSDP: switch it here, before anything is prepared. This is the one
+    place omni overrides Accelerate's decisions, through public attributes of its process-wide states. Both
+    are set: every ``AcceleratorState()`` re-reads PartialState's distributed_type."""
     from accelerate import FullyShardedDataParallelPlugin, PartialState
     from accelerate.utils import DistributedType
 
@@ -340,7 +341,7 @@ def _fsdp_on_cpu(accelerator: Any, plugin: Any = None) -> None:
         plugin.set_mixed_precision(precision)  # as AcceleratorState does for FSDP on a GPU
     accelerator.state.fsdp_plugin = plugin
     accelerator.state.distributed_type = DistributedType.FSDP
-    PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+    PartialState().distributed_type = DistributedType.FSDP  # every PartialState() shares one state
 
 
 def build_accelerator(config: TrainConfig, accelerator_kwargs: Mapping[str, Any] | None = None) -> Any:
@@ -699,17 +700,15 @@ class Trainer:
         """Finish the trackers, tear down the process group and release output_dir; ``self.model`` becomes
         the plain module.
 
-        The DDP wrapper is freed first (the components never keep it): its C++ Reducer holds the gloo process
-        group, and a process group destroyed through the Reducer blocks while holding the GIL on gloo
+        Every reference to the DDP wrapper is dropped first (ours, and Accelerate's, which ``free_memory``
+        clears before a garbage collection; the components never keep one): its C++ Reducer holds the gloo
+        process group, and a process group destroyed through the Reducer blocks while holding the GIL on gloo
         threads that need the GIL (torch #56297), an intermittent hang at exit. Freed through
         ``destroy_process_group`` instead, the GIL is released."""
-        import gc
-
         acc = self.accelerator
         try:
             self.model = acc.unwrap_model(self.model, keep_fp32_wrapper=False, keep_torch_compile=False)
-            acc._models.clear()  # Accelerate's own reference to the wrapper
-            gc.collect()
+            acc.free_memory()
             acc.end_training()
         finally:
             self._lock.release()
