@@ -9,7 +9,7 @@ Attention masks are one of
   None              full bidirectional attention           -> SDPA, no mask (flash / cuDNN)
   "causal"          plain causal attention                 -> SDPA is_causal (flash / cuDNN)
   bool Tensor       allowed[b, h, q, k], broadcastable     -> SDPA with a dense mask (CPU, decoding)
-  BlockMask         packed / modality-aware (omni.masks)   -> FlexAttention
+  BlockMask         packed / modality-aware (omni.packing) -> FlexAttention
 and give the same numbers on every path (tests/test_trunk.py checks each against a dense reference).
 """
 
@@ -345,6 +345,10 @@ class KVCache:
                                replays every step.
     Keys/values are one tensor PER LAYER, not one (L, ...) tensor: torch.compile writes a separate
     input in place but copies the whole shared buffer for a write into one layer's view of it.
+
+    Callers change the cache only through its methods: ``reset`` (a new batch), ``reorder`` (beam search),
+    ``pin_cross`` (fixed cross K/V addresses for a captured graph); the trunk writes it through ``update``
+    and ``attention_mask``.
     """
 
     k: list[Tensor]  # per layer (B, G, max_length, D)
@@ -352,6 +356,7 @@ class KVCache:
     valid: Tensor  # (B, max_length) bool: slot written by a real (non-pad) token
     length: int = 0  # slots used so far (the Python-int path)
     cross: list[tuple[Tensor, Tensor] | None] = field(default_factory=list)
+    pinned: list[tuple[Tensor, Tensor] | None] | None = field(default=None, repr=False)  # see pin_cross
 
     @classmethod
     def empty(cls, cfg: TrunkConfig, batch_size: int, max_length: int,
@@ -367,12 +372,36 @@ class KVCache:
 
     def reset(self) -> None:
         """Empty the cache IN PLACE (the same tensors: a captured CUDA graph keeps its addresses);
-        cross K/V are dropped (recomputed on the next call that passes memory)."""
+        cross K/V are dropped (recomputed on the next call that passes memory; see ``pin_cross``)."""
         for t in self.k + self.v:
             t.zero_()  # stale slots are masked anyway; zeros keep old NaN/inf out of 0 * v
         self.valid.zero_()
         self.length = 0
         self.cross = [None] * len(self.k)
+
+    def reorder(self, index: Tensor) -> None:
+        """Row i takes the self-attention state of row ``index[i]`` (B,), IN PLACE: beams follow their
+        source beam. Cross K/V stay: ``index`` must map each row to a row of the same memory (the beams
+        of one input share it)."""
+        for t in self.k + self.v + [self.valid]:
+            t.copy_(t.index_select(0, index))
+
+    def pin_cross(self) -> None:
+        """Keep the cross K/V at the same addresses from batch to batch (a captured CUDA graph reads
+        them): the first call holds the tensors computed since ``reset``, later calls copy the new batch's
+        K/V into those and hold them again."""
+        if self.pinned is None:
+            self.pinned = list(self.cross)
+        else:
+            for new, held in zip(self.cross, self.pinned):
+                if new is not None and held is not None:
+                    held[0].copy_(new[0])
+                    held[1].copy_(new[1])
+        self.cross = list(self.pinned)
+
+    def real_tokens(self) -> Tensor:
+        """(B,) slots written by real (non-pad) tokens per row."""
+        return self.valid.sum(1)
 
     def update(self, layer: int, k: Tensor, v: Tensor, slots: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """Write k/v (B, G, T, D) after `length`, or at `slots` (T,) long; -> the layer's whole buffers."""
