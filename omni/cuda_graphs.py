@@ -1,4 +1,5 @@
-"""Whole-training-step CUDA graphs for small, launch-bound models.
+"""Whole-training-step CUDA graphs for small, launch-bound models, and the capture helpers (``warm_up``,
+``capture``) that this step and ``omni.decoding.GraphedGreedyDecoder`` share.
 
     opt = make_adamw(model.parameters(), lr=1e-4, weight_decay=1e-4)   # tensor LR; fused + capturable on CUDA
     step = GraphedTrainStep(model, loss_fn, opt, example=(tokens, targets), clip_norm=0.25,
@@ -52,13 +53,63 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor, nn
 from torch.nn.utils import clip_grad_norm_
 
 LossFn = Callable[..., Tensor]  # loss_fn(model, *batch) -> scalar loss tensor
+T = TypeVar("T")
+
+
+# ----------------------------------------------------------------------------------------------------
+# Capture: the two halves of the PyTorch CUDA-graphs recipe, shared by GraphedTrainStep and
+# omni.decoding.GraphedGreedyDecoder
+
+
+def _capture_safe_autocast() -> contextlib.AbstractContextManager:
+    """The caller's CUDA autocast state with the weight-cast cache off: a graph cannot hold that cache (the
+    CUDA-graphs notes' rule), so casts are replayed. No change where autocast is off."""
+    if not torch.is_autocast_enabled("cuda"):
+        return contextlib.nullcontext()
+    return torch.autocast("cuda", dtype=torch.get_autocast_dtype("cuda"), cache_enabled=False)
+
+
+def warm_up(step: Callable[[], T], n: int, device: torch.device) -> T:
+    """Run ``step`` ``n`` times on a side stream of CUDA ``device`` before capturing it (lazy initialisation,
+    cuBLAS workspaces, torch.compile, autotuning must not happen inside the capture); the current stream then
+    waits for it. Returns the last call's result."""
+    if n < 1:
+        raise ValueError(f"warm_up needs n >= 1, got {n}")
+    with torch.cuda.device(device), _capture_safe_autocast():
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(n):
+                out = step()
+        torch.cuda.current_stream().wait_stream(side)
+    return out
+
+
+def capture(step: Callable[[], T], device: torch.device, what: str) -> tuple[torch.cuda.CUDAGraph, T]:
+    """One call of ``step`` captured as a CUDA graph on ``device`` -> (graph, the call's outputs: static tensors
+    every replay overwrites). ``what`` names the step in the error a failed capture raises."""
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.device(device), _capture_safe_autocast(), torch.cuda.graph(graph):
+            out = step()
+    except Exception as exc:
+        raise RuntimeError(
+            f"CUDA graph capture of {what} failed. Usual causes: a host sync inside the step "
+            "(.item(), .cpu(), printing a tensor, a data-dependent shape such as boolean indexing or "
+            "nonzero()), a CPU tensor used by the step, or another thread touching the GPU during capture. "
+            f"Original error: {type(exc).__name__}: {exc}") from exc
+    return graph, out
+
+
+# ----------------------------------------------------------------------------------------------------
+# The training step
 
 
 def make_adamw(params: Iterable[Any], lr: float, *, weight_decay: float = 0.01,
@@ -225,12 +276,7 @@ class GraphedTrainStep:
                 # torch warns once that a capturable optimizer steps outside a capture: that is the warm-up.
                 warnings.filterwarnings("ignore", message=".*capturable=True.*")
                 if self.use_graph:
-                    side = torch.cuda.Stream(self.device)
-                    side.wait_stream(torch.cuda.current_stream(self.device))
-                    with torch.cuda.stream(side):
-                        for _ in range(n):
-                            loss, norm = self._eager_step()
-                    torch.cuda.current_stream(self.device).wait_stream(side)
+                    loss, norm = warm_up(self._eager_step, n, self.device)
                 else:
                     for _ in range(n):
                         loss, norm = self._eager_step()
@@ -243,17 +289,7 @@ class GraphedTrainStep:
             self._grad_norm = None if norm is None else torch.zeros_like(norm)
 
     def _capture(self) -> None:
-        graph = torch.cuda.CUDAGraph()
-        try:
-            with torch.cuda.graph(graph):
-                loss, norm = self._compute()
-        except Exception as exc:
-            raise RuntimeError(
-                "CUDA graph capture of the training step failed. Usual causes: a host sync inside the step "
-                "(.item(), .cpu(), printing a tensor, a data-dependent shape such as boolean indexing or "
-                "nonzero()), a CPU tensor used by the step, or another thread touching the GPU during capture. "
-                f"Original error: {type(exc).__name__}: {exc}") from exc
-        self._graph, self._loss, self._grad_norm = graph, loss, norm
+        self._graph, (self._loss, self._grad_norm) = capture(self._compute, self.device, "the training step")
 
 
 def _check_optimizer(optimizer: torch.optim.Optimizer, device: torch.device, use_graph: bool) -> None:
@@ -311,4 +347,4 @@ class _Snapshot:
             torch.cuda.set_rng_state(self.cuda_rng, self.device)
 
 
-__all__ = ["GraphedTrainStep", "LossFn", "make_adamw"]
+__all__ = ["GraphedTrainStep", "LossFn", "capture", "make_adamw", "warm_up"]
