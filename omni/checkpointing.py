@@ -23,6 +23,10 @@
 * Resume needs the number of processes that wrote the checkpoint (per-rank data positions and RNG streams).
 * A finished run (checkpoint at ``steps`` with the same config, intact export) is not trained again: the
   metrics it recorded in ``train_results.json`` are returned. A damaged export is reported and rewritten.
+* Runs without checkpoints (``checkpoint_every=0``) are held to the same rules through ``run_config.json``,
+  written when training starts: a later run with another config is refused under "auto" (its export would
+  be replaced), and one with the same config whose results reached ``steps`` and whose export is intact is
+  reported as finished.
 
 Decisions about the directory are made on the main process and shared with every rank (``on_main``): one
 decision, and a failure raised on every rank instead of leaving the others waiting in a collective.
@@ -51,6 +55,7 @@ EXPORT_DIR = _export.RUN_EXPORT_DIR
 COMPLETE_MARKER = _export.CHECKPOINT_MARKER
 TRAINER_STATE = "trainer_state.json"
 RESULTS_NAME = "train_results.json"  # the metrics fit returned, for a re-run of a finished run
+RUN_CONFIG_NAME = "run_config.json"  # the config of the run that last trained here (runs without checkpoints too)
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 RESUME_MODES = ("auto", "force", "never")
 # Config keys (the last part of a flattened key, in TrainConfig and in the recipe's hparams, which has its
@@ -294,7 +299,7 @@ class Checkpointer:
         chosen, changed = on_main(acc, self._choose)
         if chosen is None:
             self.data.start(0, 0, None)
-            return None, 0, False
+            return None, 0, changed
         ckpt = Path(chosen)
         meta = json.loads((ckpt / TRAINER_STATE).read_text())
         if meta["world_size"] != acc.num_processes:
@@ -336,10 +341,49 @@ class Checkpointer:
             raise IntegrityError(f"no intact checkpoint to resume in {self.root}; not training over them "
                                  "from scratch:\n  " + "\n  ".join(why for _, why in corrupt) + "\nMove them away "
                                  "to start fresh, or use another output directory (--out).")
-        if self.export_dir.exists():
-            print(f"omni.train: {self.output_dir} holds an export but no checkpoint to resume: training from "
-                  f"scratch, {self.export_dir} will be replaced at the end", flush=True)
-        return None, False
+        return None, self._compare_recorded()
+
+    def _compare_recorded(self) -> bool:
+        """No checkpoint to resume: hold this run to the config recorded by the last run here (run_config.json)
+        as a checkpoint's would be, since training from scratch replaces that run's export. Whether it differs."""
+        try:
+            recorded = json.loads((self.output_dir / RUN_CONFIG_NAME).read_text())
+        except (OSError, ValueError):  # a new directory, or a run from before configs were recorded
+            recorded = None
+        if not isinstance(recorded, Mapping):
+            if self.export_dir.exists():
+                print(f"omni.train: {self.output_dir} holds an export but no checkpoint to resume: training from "
+                      f"scratch, {self.export_dir} will be replaced at the end", flush=True)
+            return False
+        differences = config_differences(recorded, self.run_config)
+        # refused only where work would be lost: an export that training anew replaces
+        if differences and self.config.resume == "auto" and self.export_dir.exists():
+            raise ResumeMismatchError(
+                f"{self.output_dir} holds a run with another config ({RUN_CONFIG_NAME}; it wrote no checkpoint to "
+                f"resume, and training anew replaces its export {self.export_dir}):\n  " + "\n  ".join(differences)
+                + "\nPass resume='force' (recipes: --set resume=force) to train this config here anyway, or use "
+                "another output directory (--out).")
+        if differences:
+            print(f"omni.train: training {self.output_dir} anew with another config than its last run's:\n  "
+                  + "\n  ".join(differences), flush=True)
+        return bool(differences)
+
+    def record_start(self) -> None:
+        """Main process: record this run's config (``run_config.json``) before training starts."""
+        if self.accelerator.is_main_process:
+            _export.write_json(self.output_dir / RUN_CONFIG_NAME, self.run_config)
+
+    def finished_without_checkpoint(self) -> bool:
+        """No checkpoint was resumed and the config is the recorded one: whether that run reached ``steps``
+        (its recorded results say so) with its export intact. Collective."""
+        def done() -> bool:
+            try:
+                step = json.loads((self.output_dir / RESULTS_NAME).read_text()).get("step", 0)
+            except (OSError, ValueError, AttributeError):
+                return False
+            return (self.output_dir / RUN_CONFIG_NAME).is_file() and step >= self.config.steps \
+                and self._export_intact()
+        return on_main(self.accelerator, done)
 
     def _compare_config(self, ckpt: Path, meta: Mapping[str, Any]) -> bool:
         """Whether the checkpoint's recorded run config differs from this run's (ResumeMismatchError under
@@ -387,11 +431,13 @@ class Checkpointer:
             return False
         return True
 
-    def report_finished(self, ckpt: Path, step: int) -> dict[str, float]:
-        """What a re-run of a finished run returns: the metrics it recorded; nothing is trained or written."""
+    def report_finished(self, ckpt: Path | None, step: int) -> dict[str, float]:
+        """What a re-run of a finished run returns: the metrics it recorded; nothing is trained or written.
+        ``ckpt``: its final checkpoint (None for a run without checkpoints: its recorded results)."""
         if self.accelerator.is_main_process:
             exported = f" and its export {self.export_dir} is intact" if self.config.export else ""
-            print(f"omni.train: {self.output_dir} already finished: {ckpt} is at step {step} of "
+            where = ckpt if ckpt is not None else self.output_dir / RESULTS_NAME
+            print(f"omni.train: {self.output_dir} already finished: {where} is at step {step} of "
                   f"{self.config.steps}{exported}; nothing to do (use another output directory to train anew)",
                   flush=True)
         try:
@@ -407,5 +453,5 @@ class Checkpointer:
 
 
 __all__ = ["CHECKPOINT_DIR", "COMPLETE_MARKER", "Checkpointer", "DiskFullError", "EXPORT_DIR", "IntegrityError",
-           "RESULTS_NAME", "RESUME_IGNORED", "RESUME_MODES", "ResumeMismatchError", "RunExistsError", "TRAINER_STATE",
+           "RESULTS_NAME", "RUN_CONFIG_NAME", "RESUME_IGNORED", "RESUME_MODES", "ResumeMismatchError", "RunExistsError", "TRAINER_STATE",
            "config_differences", "flatten_config", "latest_checkpoint", "list_checkpoints", "on_main", "run_config"]

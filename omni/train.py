@@ -649,6 +649,9 @@ class Trainer:
         resumed, self.step, changed = self.checkpointer.restore()
         if resumed and not changed and self.step >= cfg.steps and self.checkpointer.finished():
             return self.checkpointer.report_finished(resumed, self.step)
+        if not resumed and not changed and self.checkpointer.finished_without_checkpoint():
+            return self.checkpointer.report_finished(None, cfg.steps)
+        self.checkpointer.record_start()
         if acc.trackers == [] and acc.log_with:
             acc.init_trackers(cfg.run_name, config=flatten_config({**cfg.to_dict(), **self.hparams}))
         if resumed and acc.is_main_process:

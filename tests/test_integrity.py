@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 import _train_worker as W
 from omni.export import (CHECKSUMS_NAME, DiskFullError, IntegrityError, load_pretrained, resolve_export_dir,
                          save_pretrained, verify_checksums)
-from omni.train import list_checkpoints
+from omni.train import ResumeMismatchError, list_checkpoints
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 MLP_CONFIG = {"builder": "_train_worker:build_mlp", "dropout": 0.0}
@@ -192,3 +192,19 @@ def test_disk_full_during_checkpoint_keeps_the_previous_one(tmp_path, monkeypatc
     monkeypatch.setattr(Accelerator, "save_state", original)  # space freed: the run resumes from step 2
     _, results = W.run_mlp(tmp_path, steps=6, checkpoint_every=2, report_to="none")
     assert results["step"] == 6
+
+
+def test_a_run_without_checkpoints_is_held_to_its_recorded_config(tmp_path):
+    """checkpoint_every=0 leaves nothing to resume, but the export is still work: another config is refused
+    (its export untouched), the same config is reported finished (nothing retrained), force trains anew."""
+    run = tmp_path / "r"
+    W.run_mlp(run, steps=4, checkpoint_every=0)
+    weights = (run / "final" / "model.safetensors").read_bytes()
+    with pytest.raises(ResumeMismatchError, match=r"(?s)another config \(run_config.json.*replaces its export.*"
+                                                  r"hparams.model.dropout: 0.0 -> 0.3"):
+        W.run_mlp(run, steps=4, checkpoint_every=0, dropout=0.3)
+    assert (run / "final" / "model.safetensors").read_bytes() == weights
+    trainer, results = W.run_mlp(run, steps=4, checkpoint_every=0, model_seed=5)  # another init: would differ
+    assert results["step"] == 4 and (run / "final" / "model.safetensors").read_bytes() == weights
+    W.run_mlp(run, steps=4, checkpoint_every=0, dropout=0.3, resume="force")
+    assert (run / "final" / "model.safetensors").read_bytes() != weights
