@@ -521,7 +521,7 @@ class TranscribeTask(_NextTextTokenTask):
         idx = list(range(len(self))) if indices is None else [int(i) for i in indices]
         texts: dict[int, str] = {}
         with _inference(model) as dev:
-            decoder = PrefixLMTranscriber(model, self)
+            decoder = PrefixLMTranscriber.for_task(model, self)
             for chunk, frames, mask in self._audio_batches(idx, batch_size, dev):
                 ids = greedy_decode(decoder, decoder.encode(frames, mask), mask, use_cache=use_cache,
                                     check_every=8 if use_cache else 1, **guards)
@@ -544,81 +544,78 @@ class TranscribeTask(_NextTextTokenTask):
 
 
 class PrefixLMTranscriber:
-    """A TranscribeTask of a multitask OmniModel behind the interface ``omni.speech.greedy_decode`` drives
-    (``prompt``, token ids, ``head``, ``decoder.new_cache``, ``decode_hidden``), so the prefix-LM model is
-    decoded by the very code, stop rules and guards that score recipes/whisper.py.
+    """A transcribe head of a multitask OmniModel as an ``omni.interfaces.Seq2SeqDecoder``, so the prefix-LM model
+    is decoded by the very code, stop rules and guards that score recipes/whisper.py (``omni.decoding``).
+    ``head``: the task's LM head in ``model.heads``; ``audio``/``text``: the export's tokenizers.
 
     Layout, as in training (one packed document): [audio frames (bidirectional), bos, <|transcribe|>,
     generated ... (causal)], audio positions 0..n-1 and text positions from n on, n = that clip's real
     frames (the packer's rule). ``memory`` is the right-padded audio TOKENS (B, S, F) with ``audio_mask``:
     the trunk itself runs in ``decode_hidden``.
 
-    With a KV cache (``greedy_decode``'s default) the first call writes the S audio slots in one
-    bidirectional forward (mask "full"; padded frames marked ``pad``, so no token ever sees them) and then
-    the prompt; every later call appends one token per row, at position n_b + its text index. Without a cache
-    every call packs [audio_b, text so far] per clip with the training ``Packer`` and runs the whole packed
-    forward: the reference the cached path must match token for token (tests/test_multimodal.py).
-    Not thread-safe: ``encode`` notes the padded audio length for ``new_cache``.
+    With a KV cache (S audio slots + the text's) the first call writes the audio in one bidirectional forward
+    (mask "full"; padded frames marked ``pad``, so no token ever sees them) and then the prompt; every later
+    call appends one token per row, at position n_b + its text index = the real tokens the cache holds for that
+    row, at the next slot or at ``cache_position`` (fixed-shape steps: ``omni.decoding.GraphedGreedyDecoder``).
+    Without a cache every call packs [audio_b, text so far] per clip with the training ``Packer`` and runs the
+    whole packed forward: the reference the cached path must match token for token (tests/test_multimodal.py).
     """
 
-    def __init__(self, model: OmniModel, task: TranscribeTask) -> None:
-        self.omni, self.task = model, task
-        self.head = model.heads[task.name]
-        text = task.text
-        self.bos_id, self.eos_id, self.pad_id = text.bos_id, text.eos_id, text.pad_id
-        self.task_id = text.token_id(task.task_token)
-        self.vocab_size = text.vocab_size
-        self.tokens_per_second = task.audio.tokens_per_second
-        self._frames = 0  # S of the batch being decoded
+    def __init__(self, model: OmniModel, head: str, audio: Tokenizer, text: TextTokenizer,
+                 task_token: str = "transcribe") -> None:
+        self.omni, self.audio, self.text = model, audio, text
+        self.head = model.heads[head]
+        self.prompt = [text.bos_id, text.token_id(task_token)]
+        self.eos_id, self.pad_id = text.eos_id, text.pad_id
+        self.tokens_per_second = audio.tokens_per_second
 
-    @property
-    def prompt(self) -> list[int]:
-        return [self.bos_id, self.task_id]
+    @classmethod
+    def for_task(cls, model: OmniModel, task: TranscribeTask) -> PrefixLMTranscriber:
+        return cls(model, task.name, task.audio, task.text, task.task_token)
 
-    @property
-    def decoder(self) -> "PrefixLMTranscriber":  # greedy_decode asks model.decoder for its cache
-        return self
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
+        return self.omni.parameters(recurse)
 
     def encode(self, audio: Tensor, audio_mask: Tensor | None = None) -> Tensor:
-        """The 'memory' greedy_decode passes around: the padded audio tokens themselves."""
-        self._frames = audio.shape[1]
+        """The memory is the padded audio tokens themselves: the trunk reads them in ``decode_hidden``."""
         return audio
 
-    def new_cache(self, batch_size: int, max_length: int, dtype: torch.dtype | None = None) -> KVCache:
-        """Room for the audio prefix plus ``max_length`` text tokens. The audio tokens are float32 whatever
+    def new_cache(self, memory: Tensor, max_length: int) -> KVCache:
+        """Room for the S audio tokens plus ``max_length`` text tokens. The audio tokens are float32 whatever
         the autocast, so the cache follows the trunk's parameters."""
-        return self.omni.trunk.new_cache(batch_size, self._frames + max_length)
+        return self.omni.trunk.new_cache(memory.shape[0], memory.shape[1] + max_length)
+
+    def logits(self, text: Tensor, memory: Tensor | None, audio_mask: Tensor | None, cache: KVCache | None = None,
+               cache_position: Tensor | None = None) -> Tensor:
+        """Next-token logits (B, V) after text (B, T)."""
+        return self.head(self.decode_hidden(text, memory, audio_mask, cache, cache_position)[:, -1])
 
     def decode_hidden(self, text: Tensor, memory: Tensor | None, audio_mask: Tensor | None,
                       cache: KVCache | None = None, cache_position: Tensor | None = None) -> Tensor:
         """Hidden states (B, T, d) of the text tokens ``text`` (B, T) after the audio prefix."""
-        if cache_position is not None:
-            raise NotImplementedError("PrefixLMTranscriber has no fixed-shape (graphed) decode step")
-        B, T = text.shape
-        dev = text.device
-        S = self._frames
-        frames = audio_mask.sum(1) if audio_mask is not None else torch.full((B,), S, device=dev)
         if cache is None:
-            return self._packed_hidden(text, memory, frames)
-        trunk = self.omni.trunk
+            return self._packed_hidden(text, memory, audio_mask)
+        B, T = text.shape
+        dev, trunk = text.device, self.omni.trunk
         if memory is not None:  # first call: the audio prefix, bidirectional over its real frames
             if cache.length != 0:
                 raise ValueError("the audio prefix goes into an empty cache")
+            S = memory.shape[1]
             pad = None if audio_mask is None else ~audio_mask
             trunk(self.omni.embedders["audio"](memory), torch.arange(S, device=dev).expand(B, S), "full",
                   cache=cache, pad=pad)
-        start = cache.length - S  # text tokens already cached
-        positions = frames[:, None] + start + torch.arange(T, device=dev)  # (B, T): row b continues at n_b
-        return trunk(self.omni.embedders["text"](text), positions, None, cache=cache)
+        positions = cache.real_tokens()[:, None] + torch.arange(T, device=dev)  # (B, T): row b continues at n_b
+        return trunk(self.omni.embedders["text"](text), positions, None, cache=cache, cache_position=cache_position)
 
-    def _packed_hidden(self, text: Tensor, audio: Tensor, frames: Tensor) -> Tensor:
+    def _packed_hidden(self, text: Tensor, audio: Tensor, audio_mask: Tensor | None) -> Tensor:
         """Reference path: the training computation (Packer + packed mask) on [audio_b, text_b] per row, all in
         one packed row (a dense T x T mask on CPU: for tests and small batches)."""
         B, T = text.shape
+        frames = [audio.shape[1]] * B if audio_mask is None else audio_mask.sum(1).tolist()
         samples = []
-        for b, n in enumerate(frames.tolist()):
-            a = Segment("audio", audio[b, :n], torch.arange(n), self.task.audio.role)
-            t = Segment("text", text[b], torch.arange(T), self.task.text.role)
+        for b, n in enumerate(frames):
+            a = Segment("audio", audio[b, :n], torch.arange(n), self.audio.role)
+            t = Segment("text", text[b], torch.arange(T), self.text.role)
             samples.append(Sample([a, t], key=f"decode/{b}"))
         batch = Packer()(samples).to(text.device)  # one row, documents in row order
         return OmniModel.gather(self.omni(batch), batch, "text").view(B, T, -1)
@@ -698,8 +695,8 @@ class ActionTask(Task):
 
 
 class TrajectoryPolicy(nn.Module):
-    """An ActionTask of a multitask OmniModel with the DecisionTransformer interface ``omni.rl.rollout`` drives
-    (``forward(tokens, cache)``, ``new_cache``, ``use_returns``), so rollouts reuse omni.rl unchanged.
+    """An ActionTask of a multitask OmniModel as an ``omni.interfaces.Policy`` (the interface ``omni.rl.rollout``
+    drives, which the DecisionTransformer has too), so rollouts reuse omni.rl unchanged.
 
     tokens (B, T, F) -> the trajectory embedder -> the shared trunk (causal; positions continue after the
     cache, i.e. the token index inside the window, which is what a packed training window has: a trajectory

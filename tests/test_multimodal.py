@@ -280,13 +280,13 @@ def test_asr_cached_decoding_equals_the_packed_forward(asr_overfit, tiny):
     n = len(clips)
     assert len({len(clips.audio_segment(i)) for i in range(n)}) == n  # padding differs per row
     model.eval()
-    dec = PrefixLMTranscriber(model.omni, clips)
+    dec = PrefixLMTranscriber.for_task(model.omni, clips)
     frames, mask = pad_audio([clips.audio_segment(i).tokens for i in range(n)])
     memory = dec.encode(frames, mask)
     text = torch.tensor([dec.prompt + [100, 2000, 37, 512]] * n)
     with torch.no_grad():
         reference = dec.decode_hidden(text, memory, mask)  # packed, no cache
-        cache = dec.new_cache(n, text.shape[1])
+        cache = dec.new_cache(memory, text.shape[1])
         first = dec.decode_hidden(text[:, :3], memory, mask, cache)  # audio prefix + 3 text tokens
         rest = [dec.decode_hidden(text[:, t:t + 1], None, mask, cache) for t in range(3, text.shape[1])]
     torch.testing.assert_close(torch.cat([first, *rest], 1), reference, atol=2e-5, rtol=1e-4)

@@ -1,4 +1,4 @@
-"""Fixed-shape greedy decoding (omni.speech.GraphedGreedyDecoder): token for token the same as
+"""Fixed-shape greedy decoding (omni.decoding.GraphedGreedyDecoder): token for token the same as
 greedy_decode, on CPU with the step run eagerly (random and briefly trained tiny models; rows ending by
 eos, by the repetition guard and by the per-row token limits at different lengths; batch 1 and 3;
 reuse across batches; min_new_tokens), the vectorised repetition guard against the reference one, and
@@ -11,8 +11,8 @@ import copy
 import pytest
 import torch
 
-from omni.speech import (GraphedGreedyDecoder, SpeechCollate, _repeat_keep_static, _repeat_tables,
-                         _repeated_tail, greedy_decode, pad_audio, speech_example, speech_loss)
+from omni.decoding import RepetitionGuard
+from omni.speech import GraphedGreedyDecoder, SpeechCollate, greedy_decode, pad_audio, speech_example, speech_loss
 from _speech_models import one_token_model, tiny_model
 from omni.tokenizers.audio import AudioTokenizer
 from omni.tokenizers.text import TextTokenizer
@@ -86,17 +86,31 @@ def both(model, memory, mask, **kw) -> list[list[int]]:
 # ----------------------------------------------------------------------------------------------------
 
 
+def _repeated_tail(out: torch.Tensor, t: int, max_period: int, max_repeats: int) -> torch.Tensor:
+    """Reference repetition guard, one period at a time: (B,) length to keep for rows whose tokens out[:, :t+1]
+    end in ``max_repeats`` copies of one block of p <= max_period tokens (first copy kept), else -1."""
+    keep = torch.full((out.shape[0],), -1, dtype=torch.long, device=out.device)
+    for p in range(max_period, 0, -1):  # shorter periods win (assigned last): "a a a a" keeps one "a"
+        w = p * max_repeats
+        if t + 1 < w:
+            continue
+        tail = out[:, t + 1 - w:t + 1]
+        hit = (tail[:, p:] == tail[:, :-p]).all(1)
+        keep = torch.where(hit, torch.full_like(keep, t + 1 - (max_repeats - 1) * p), keep)
+    return keep
+
+
 def test_vectorised_repetition_guard_matches_reference():
     g = torch.Generator().manual_seed(0)
     for max_period, max_repeats in [(8, 4), (4, 3), (3, 2), (1, 4), (5, 1)]:
-        a, b, period, offsets = _repeat_tables(max_period, max_repeats, torch.device("cpu"))
+        guard = RepetitionGuard(max_period, max_repeats, 0, torch.device("cpu"))
         for alphabet in (2, 3, 5):
             out = torch.randint(0, alphabet, (16, 40), generator=g)
             out[0, 5:] = 7  # one row that surely repeats
             out[1, 10:] = torch.tensor([4, 5, 6] * 10)
             for t in range(out.shape[1]):
                 want = _repeated_tail(out, t, max_period, max_repeats)
-                got = _repeat_keep_static(out, torch.tensor(t), max_repeats, a, b, period, offsets)
+                got = guard.keep(out, torch.tensor(t))
                 assert torch.equal(got, want), (max_period, max_repeats, alphabet, t)
 
 

@@ -1,0 +1,108 @@
+"""The interfaces that decoding and rollouts drive, declared once (``typing.Protocol``: structural, nothing to
+inherit). A model satisfies one by having the members; ``isinstance`` checks their presence only.
+
+    Seq2SeqDecoder  what omni.decoding decodes: memory -> next-token logits, incrementally through a KV cache
+                    (omni.multitask.PrefixLMTranscriber)
+    EncoderDecoder  an encoder-decoder model with a cross-attention decoder trunk (omni.speech.SpeechRecognizer);
+                    omni.decoding drives it through a Seq2SeqDecoder view (``omni.decoding.as_seq2seq``)
+    LogitFilter     one decoding rule applied to the logits before a token is chosen (omni.decoding)
+    Policy          what omni.rl.rollout steps: trajectory tokens -> action head output
+                    (omni.rl.DecisionTransformer, omni.multitask.TrajectoryPolicy)
+
+Shapes: B rows, S memory tokens, T text tokens, V vocabulary, d model width, F trajectory features.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator, Protocol, runtime_checkable
+
+import torch
+from torch import Tensor, nn
+
+from omni.trunk import KVCache
+
+
+class _Transcriber(Protocol):
+    """What every decodable model states about its output and its input."""
+
+    eos_id: int  # ends a row
+    pad_id: int  # fills a row after it ended
+    tokens_per_second: float  # memory tokens per second of input: token limits scale with the input's duration
+
+    @property
+    def prompt(self) -> list[int]:
+        """The ids every output starts with (given, never returned)."""
+        ...
+
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
+        """The weights (their device is where inputs go)."""
+        ...
+
+    def encode(self, inputs: Tensor, mask: Tensor | None = None) -> Tensor:
+        """inputs (B, S, ...) + mask (B, S) True = real -> memory (B, S, ...), what the decoder reads."""
+        ...
+
+
+@runtime_checkable
+class Seq2SeqDecoder(_Transcriber, Protocol):
+    """A model decoded token by token from a memory (omni.decoding)."""
+
+    def new_cache(self, memory: Tensor, max_length: int) -> KVCache:
+        """An empty cache for this batch's memory with room for ``max_length`` text tokens."""
+        ...
+
+    def logits(self, text: Tensor, memory: Tensor | None, mask: Tensor | None, cache: KVCache | None = None,
+               cache_position: Tensor | None = None) -> Tensor:
+        """Next-token logits (B, V) after text (B, T). Without a cache, ``text`` is the whole text so far. With
+        one, the text is appended to it and ``memory`` is needed on the first call only (after ``reset``);
+        ``cache_position``: the cache slot of text[:, 0] as a () long device tensor (fixed-shape steps: no
+        Python int per token), else the text follows what the cache holds."""
+        ...
+
+
+class EncoderDecoder(_Transcriber, Protocol):
+    """An encoder-decoder: a decoder trunk with cross-attention over the memory, and an output head."""
+
+    decoder: Any  # a Trunk: ``decoder.new_cache(batch, max_length, dtype=...)`` holds self- and cross-attention K/V
+
+    def head(self, hidden: Tensor) -> Tensor:
+        """Hidden states (..., d) -> logits (..., V)."""
+        ...
+
+    def decode_hidden(self, text: Tensor, memory: Tensor | None, mask: Tensor | None, cache: KVCache | None = None,
+                      cache_position: Tensor | None = None) -> Tensor:
+        """Text (B, T) -> decoder hidden states (B, T, d); cache and cache_position as ``Seq2SeqDecoder.logits``."""
+        ...
+
+
+class LogitFilter(Protocol):
+    """A decoding rule on the logits before the choice (Whisper's suppress-blank / suppressed tokens / timestamp
+    rules would be more of these)."""
+
+    def __call__(self, logits: Tensor, tokens: Tensor, t: Tensor) -> Tensor:
+        """logits (N, V) for token ``t`` (a () long device tensor) of rows whose tokens so far are tokens[:, :t]
+        (N, max_new_tokens) -> the logits to choose from (may be changed in place). Fixed shapes, no host sync."""
+        ...
+
+
+class Policy(Protocol):
+    """A trajectory model: tokens (B, T, F) -> action head output (B, T, n_out) at every token, causal. With a
+    cache the tokens are appended to it (positions continue after the cached ones)."""
+
+    use_returns: bool  # fed return-to-go rows (Decision Transformer), or only (state, action) rows (BC)
+    training: bool
+
+    def __call__(self, tokens: Tensor, cache: KVCache | None = None) -> Tensor: ...
+
+    def new_cache(self, batch_size: int, device: torch.device | str | None = None) -> KVCache:
+        """An empty cache holding one full context window."""
+        ...
+
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]: ...
+
+    def train(self, mode: bool = True) -> Any: ...
+
+    def eval(self) -> Any: ...
+
+
+__all__ = ["EncoderDecoder", "LogitFilter", "Policy", "Seq2SeqDecoder"]
