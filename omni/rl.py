@@ -55,6 +55,7 @@ from torch import Tensor, nn
 
 from omni.data.memory import TensorLoader
 from omni.heads import ActionHead, masked_action_loss
+from omni.interfaces import Policy
 from omni.tokenizers.trajectory import (
     COL_KIND,
     COL_RTG,
@@ -447,7 +448,7 @@ class RolloutResult:
 
 
 @torch.no_grad()
-def rollout(model: DecisionTransformer, tok: TrajectoryTokenizer, envs: Sequence[Any], seeds: Sequence[int], *,
+def rollout(model: Policy, tok: TrajectoryTokenizer, envs: Sequence[Any], seeds: Sequence[int], *,
             targets: Sequence[float] | None = None, max_steps: int | None = None, cache: bool = True,
             record: bool = False, device: torch.device | str | None = None,
             names: Sequence[str] | None = None) -> RolloutResult:
@@ -494,8 +495,7 @@ def rollout(model: DecisionTransformer, tok: TrajectoryTokenizer, envs: Sequence
                 if t < K:
                     inp = cur if prev_action is None else torch.cat([prev_action, cur], dim=1)
                 else:  # window slides: refill the cache with the last K-1 steps + the current one
-                    kv.length = 0
-                    kv.valid.zero_()
+                    kv.reset()
                     inp = torch.cat([*history[len(history) - (K - 1):], cur], dim=1) if K > 1 else cur
                 out = model(inp.to(device), cache=kv)[:, -1]
             else:
@@ -533,7 +533,7 @@ def rollout(model: DecisionTransformer, tok: TrajectoryTokenizer, envs: Sequence
     return result
 
 
-def _uncached_outputs(model: DecisionTransformer, tok: TrajectoryTokenizer, hist_obs: list[list[np.ndarray]],
+def _uncached_outputs(model: Policy, tok: TrajectoryTokenizer, hist_obs: list[list[np.ndarray]],
                       hist_act: list[list[Any]], hist_rew: list[list[float]], targets: Sequence[float] | None,
                       t: int, done: np.ndarray, device: torch.device) -> Tensor:
     """Reference path: each active env's running context re-encoded by ``encode_rollout``; rows of finished
