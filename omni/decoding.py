@@ -282,8 +282,9 @@ class BeamSearch:
     def start(self, limit: Tensor) -> None:
         self.limit = limit.tolist()  # per input
 
-    def update(self, logits: Tensor, t_: Tensor) -> None:
-        t, B, K, V = int(t_), self.B, self.K, logits.shape[-1]
+    def update(self, logits: Tensor, clock: Tensor) -> None:
+        """Choose the beams' token ``clock`` from logits (B*K, V); finished hypotheses leave, the cache follows."""
+        t, B, K, V = int(clock), self.B, self.K, logits.shape[-1]
         logp = logits.float().log_softmax(-1).view(B, K, V)
         top_s, top_i = (self.scores[..., None] + logp).view(B, K * V).topk(min(2 * K, K * V), dim=-1)  # (B, C)
         C = top_s.shape[1]
