@@ -183,7 +183,7 @@ def _image_classifier(checkpoint: str | Path, device: str
 
         def classify(seg: Segment) -> Tensor:  # the image alone, packed as in training
             batch = Packer()([Sample([seg], key="predict")]).to(device)
-            return model.heads[task](model(batch), batch, "image")[0]
+            return model.forward_head(model(batch), batch, task, "image")[0]
 
         n_classes = int(config["heads"][task]["n_classes"])
     elif isinstance(model, ImageClassifier) and tokenizer is not None:

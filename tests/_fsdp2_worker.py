@@ -49,7 +49,7 @@ class VecTask(nn.Module):
         self.model = OmniModel({W.VEC: W.TrainVecTokenizer()}, trunk_config(), heads={"cls": ClassificationHead(16, 3)})
 
     def forward(self, batch: Any, logits_only: bool = False) -> Any:
-        logits = self.model.heads["cls"](self.model(batch), batch, W.VEC)
+        logits = self.model.forward_head(self.model(batch), batch, "cls", W.VEC)
         if logits_only:
             return logits
         y = torch.tensor(batch.labels, device=logits.device)

@@ -183,7 +183,7 @@ class VecClassifier(nn.Module):
                                heads={"cls": ClassificationHead(16, 3)})
 
     def logits(self, batch: Any) -> torch.Tensor:
-        return self.model.heads["cls"](self.model(batch), batch, VEC)
+        return self.model.forward_head(self.model(batch), batch, "cls", VEC)
 
     def forward(self, batch: Any) -> tuple[torch.Tensor, dict]:
         logits = self.logits(batch)

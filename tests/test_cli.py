@@ -280,7 +280,7 @@ def test_multitask_export_predicts_and_transcribes(multitask, tmp_path, capsys):
     seg = image.tokenizer.encode(str(path))
     batch = pack_mixed([Sample([seg], key="a.png")], [0], ("image",))
     with torch.no_grad():
-        probs = model.omni.heads["image"](model.omni(batch), batch, "image")[0].softmax(-1)
+        probs = model.omni.forward_head(model.omni(batch), batch, "image", "image")[0].softmax(-1)
     top = probs.topk(len(CLASSES))
     assert [g["label"] for g in got] == [str(i) for i in top.indices.tolist()]  # no class names recorded
     assert np.allclose([g["probability"] for g in got], top.values.tolist(), atol=1e-6)

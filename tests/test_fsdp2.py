@@ -121,9 +121,9 @@ def test_fsdp2_export_is_the_gathered_model(fsdp_run, one_process):
     assert set(model.state_dict()) == set(_weights(out / "run" / "final"))
     batch = F.probe_batch()
     with torch.no_grad():
-        logits = model.heads["cls"](model(batch), batch, F.W.VEC)
+        logits = model.forward_head(model(batch), batch, "cls", F.W.VEC)
         reference = load_pretrained(one / "run" / "final")
-        ref_logits = reference.heads["cls"](reference(batch), batch, F.W.VEC)
+        ref_logits = reference.forward_head(reference(batch), batch, "cls", F.W.VEC)
     sharded = torch.load(out / "logits.pt")  # the FSDP2 model's own forward on both ranks, after training
     torch.testing.assert_close(logits, sharded, rtol=0, atol=1e-6)
     torch.testing.assert_close(logits, ref_logits, rtol=0, atol=1e-5)

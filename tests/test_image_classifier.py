@@ -49,7 +49,7 @@ def test_fast_path_equals_segment_and_packed_paths(cls, pool, positions):
         omni.load_state_dict({next(v + k[len(p):] for p, v in rename.items() if k.startswith(p)): t
                               for k, t in model.state_dict().items()})
         batch = Packer()([Sample([s], key=s.meta.get("key", str(i))) for i, s in enumerate(segments)])
-        packed = omni.heads["label"](omni.eval()(batch), batch, "image")
+        packed = omni.eval().forward_head(omni(batch), batch, "label", "image")
     assert fast.shape == (3, 5)
     torch.testing.assert_close(fast, per_segment, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(fast, packed, atol=1e-5, rtol=1e-5)

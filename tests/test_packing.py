@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.nn.attention.flex_attention import create_block_mask
 
-from omni.heads import ClassificationHead
+from omni.heads import ClassificationHead, packed_segments
 from omni.model import OmniModel
 from omni.packing import BLOCK_SIZE, Packer, block_mask, dense_mask, mask_mod, segment_mean
 from omni.segment import Role, Sample, Segment
@@ -187,7 +187,7 @@ def test_classification_head_pools_each_segment():
     samples = random_samples(6, seed=6)
     batch = Packer()(samples)
     hidden = torch.randn(*batch.shape, 32)
-    logits = head(hidden, batch, "vec")
+    logits = head(*packed_segments(hidden, batch, "vec"))
     flat = hidden.reshape(-1, 32)
     vec_tokens = flat[batch.index["vec"]]
     for s in range(logits.shape[0]):
@@ -195,7 +195,7 @@ def test_classification_head_pools_each_segment():
         torch.testing.assert_close(logits[s], head.proj(head.norm(mean)), atol=1e-5, rtol=1e-5)
     assert segment_mean(torch.ones(4, 2), torch.tensor([0, 0, 2, 2]), 3).tolist() == [[1, 1], [0, 0], [1, 1]]
     cls = ClassificationHead(32, 3, pool="cls")
-    assert cls(hidden, batch, "vec").shape == logits.shape
+    assert cls(*packed_segments(hidden, batch, "vec")).shape == logits.shape
     del model
 
 

@@ -57,7 +57,7 @@ def test_entry_point_plugin_trains_beside_a_builtin(installed_plugin):
             samples.append(Sample(segments, key=f"{step}-{i}", label=label))
         batch = packer(samples)
         hidden = model(batch)
-        logits = model.heads["ts"](hidden, batch, "timeseries")
+        logits = model.forward_head(hidden, batch, "ts", "timeseries")
         target = torch.tensor([batch.labels[d] for d in batch.segment_document["timeseries"].tolist()])
         loss = F.cross_entropy(logits, target)
         opt.zero_grad()

@@ -436,8 +436,8 @@ def test_export_round_trip_omni_builder(tmp_path):
     trained = trainer.accelerator.unwrap_model(trainer.model).model.eval()
     with torch.no_grad():
         for b in batches[:2]:
-            torch.testing.assert_close(model.heads["cls"](model(b), b, W.VEC), trained.heads["cls"](trained(b), b, W.VEC),
-                                       rtol=0, atol=0)
+            torch.testing.assert_close(model.forward_head(model(b), b, "cls", W.VEC),
+                                       trained.forward_head(trained(b), b, "cls", W.VEC), rtol=0, atol=0)
 
 
 def test_export_from_a_gathered_state_dict(tmp_path):
