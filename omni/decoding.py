@@ -1,7 +1,7 @@
 """Autoregressive decoding, written once: one loop, one device-side step, strategies and rules as small pieces.
 
     memory = model.encode(inputs, mask)                               # model: an omni.interfaces.Seq2SeqDecoder
-    ids = greedy_decode(model, memory, mask, max_new_tokens=224)      # or an EncoderDecoder (SpeechRecognizer)
+    ids = greedy_decode(model, memory, mask, max_new_tokens=224)      # (SpeechRecognizer, PrefixLMTranscriber)
     ids = beam_search(model, memory, mask, beam_size=4, length_penalty=1.0)
     decoder = GraphedGreedyDecoder(model, max_new_tokens=224)         # the step captured once in a CUDA graph
     ids = decoder(memory, mask)                                       # ... and replayed per token
@@ -29,50 +29,19 @@ inside the strategy (after it).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Callable
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from omni.cuda_graphs import capture, warm_up
-from omni.interfaces import EncoderDecoder, LogitFilter, Seq2SeqDecoder
-from omni.trunk import KVCache
+from omni.interfaces import LogitFilter, Seq2SeqDecoder
 
 NEG_INF = float("-inf")
 
 
 # ----------------------------------------------------------------------------------------------------
 # The model side
-
-
-class EncoderDecoderView:
-    """An EncoderDecoder (a decoder trunk with cross-attention, e.g. omni.speech.SpeechRecognizer) as a
-    Seq2SeqDecoder: its decoder trunk's cache (cross K/V computed on the first call, in the memory's dtype)
-    and its head on the last decoder state."""
-
-    def __init__(self, model: EncoderDecoder) -> None:
-        self.model = model
-        self.prompt, self.eos_id, self.pad_id = model.prompt, model.eos_id, model.pad_id
-        self.tokens_per_second = model.tokens_per_second
-
-    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
-        return self.model.parameters(recurse)
-
-    def encode(self, inputs: Tensor, mask: Tensor | None = None) -> Tensor:
-        return self.model.encode(inputs, mask)
-
-    def new_cache(self, memory: Tensor, max_length: int) -> KVCache:
-        return self.model.decoder.new_cache(memory.shape[0], max_length, dtype=memory.dtype)
-
-    def logits(self, text: Tensor, memory: Tensor | None, mask: Tensor | None, cache: KVCache | None = None,
-               cache_position: Tensor | None = None) -> Tensor:
-        hidden = self.model.decode_hidden(text, memory, mask, cache, cache_position)  # (B, T, d)
-        return self.model.head(hidden[:, -1])
-
-
-def as_seq2seq(model: Seq2SeqDecoder | EncoderDecoder) -> Seq2SeqDecoder:
-    """The model itself when it is a Seq2SeqDecoder, else its EncoderDecoderView."""
-    return model if isinstance(model, Seq2SeqDecoder) else EncoderDecoderView(model)
 
 
 def _prompts(model: Seq2SeqDecoder, memory: Tensor) -> Tensor:
@@ -393,7 +362,7 @@ def _greedy(model: Seq2SeqDecoder, memory: Tensor, mask: Tensor | None, options:
 
 
 @torch.no_grad()
-def greedy_decode(model: Seq2SeqDecoder | EncoderDecoder, memory: Tensor, mask: Tensor | None = None, *,
+def greedy_decode(model: Seq2SeqDecoder, memory: Tensor, mask: Tensor | None = None, *,
                   max_new_tokens: int = 224, tokens_per_second: float | None = 25.0, max_period: int = 8,
                   max_repeats: int | None = 4, min_new_tokens: int = 0, use_cache: bool = True,
                   check_every: int = 1, graph: bool = False) -> list[list[int]]:
@@ -407,7 +376,6 @@ def greedy_decode(model: Seq2SeqDecoder | EncoderDecoder, memory: Tensor, mask: 
     ``graph=True`` decodes with a one-off ``GraphedGreedyDecoder`` (one CUDA graph replayed per token on CUDA,
     the same step run eagerly elsewhere), same tokens; ``check_every`` is then at least 16. To decode many batches
     of one shape, build a ``GraphedGreedyDecoder`` once and call it per batch."""
-    model = as_seq2seq(model)
     options = DecodingOptions(max_new_tokens, tokens_per_second, max_period, max_repeats, min_new_tokens)
     # The cache holds exactly as many slots as this batch needs (the attention shapes of either path).
     limit = options.limits(model, mask, memory.shape[0], memory.device)
@@ -425,13 +393,12 @@ def greedy_decode(model: Seq2SeqDecoder | EncoderDecoder, memory: Tensor, mask: 
 
 
 @torch.no_grad()
-def beam_search(model: Seq2SeqDecoder | EncoderDecoder, memory: Tensor, mask: Tensor | None = None, *,
+def beam_search(model: Seq2SeqDecoder, memory: Tensor, mask: Tensor | None = None, *,
                 beam_size: int = 4, length_penalty: float = 1.0, max_new_tokens: int = 224,
                 tokens_per_second: float | None = 25.0, max_period: int = 8,
                 max_repeats: int | None = 4) -> list[list[int]]:
     """Batched beam search (``BeamSearch``) with the KV cache: the beams of an input share its cross K/V, the
     self-attention cache is reordered by beam each step. Options as ``greedy_decode``; beam_size=1 is greedy."""
-    model = as_seq2seq(model)
     options = DecodingOptions(max_new_tokens, tokens_per_second, max_period, max_repeats)
     B, K, dev = memory.shape[0], beam_size, memory.device
     limit = options.limits(model, mask, B, dev)
@@ -471,11 +438,11 @@ class GraphedGreedyDecoder:
     disables autocast's weight-cast cache (a graph cannot hold it), so casts are replayed.
     """
 
-    def __init__(self, model: Seq2SeqDecoder | EncoderDecoder, *, max_new_tokens: int = 224,
+    def __init__(self, model: Seq2SeqDecoder, *, max_new_tokens: int = 224,
                  tokens_per_second: float | None = 25.0, max_period: int = 8, max_repeats: int | None = 4,
                  min_new_tokens: int = 0, check_every: int = 16, graph: bool | None = None,
                  compile: bool = False) -> None:
-        self.model = as_seq2seq(model)
+        self.model = model
         self.options = DecodingOptions(max_new_tokens, tokens_per_second, max_period, max_repeats, min_new_tokens)
         self.check_every, self.graph, self.compile = check_every, graph, compile
         self._shape: tuple | None = None  # (B, S, memory dtype, device, masked) fixed by the first call
@@ -523,6 +490,5 @@ class GraphedGreedyDecoder:
         return self._decoding.run(int(limit.max()), self.check_every, replay)
 
 
-__all__ = ["BeamSearch", "CachedInference", "Decoding", "DecodingOptions", "EncoderDecoderView", "FullInference",
-           "GraphedGreedyDecoder", "Greedy", "MinNewTokens", "RepetitionGuard", "as_seq2seq", "beam_search",
-           "greedy_decode", "length_normalised"]
+__all__ = ["BeamSearch", "CachedInference", "Decoding", "DecodingOptions", "FullInference", "GraphedGreedyDecoder",
+           "Greedy", "MinNewTokens", "RepetitionGuard", "beam_search", "greedy_decode", "length_normalised"]

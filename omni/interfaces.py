@@ -2,9 +2,7 @@
 inherit). A model satisfies one by having the members; ``isinstance`` checks their presence only.
 
     Seq2SeqDecoder  what omni.decoding decodes: memory -> next-token logits, incrementally through a KV cache
-                    (omni.multitask.PrefixLMTranscriber)
-    EncoderDecoder  an encoder-decoder model with a cross-attention decoder trunk (omni.speech.SpeechRecognizer);
-                    omni.decoding drives it through a Seq2SeqDecoder view (``omni.decoding.as_seq2seq``)
+                    (omni.speech.SpeechRecognizer, omni.multitask.PrefixLMTranscriber)
     LogitFilter     one decoding rule applied to the logits before a token is chosen (omni.decoding)
     Policy          what omni.rl.rollout steps: trajectory tokens -> action head output
                     (omni.rl.DecisionTransformer, omni.multitask.TrajectoryPolicy)
@@ -22,8 +20,9 @@ from torch import Tensor, nn
 from omni.trunk import KVCache
 
 
-class _Transcriber(Protocol):
-    """What every decodable model states about its output and its input."""
+@runtime_checkable
+class Seq2SeqDecoder(Protocol):
+    """A model decoded token by token from a memory (omni.decoding)."""
 
     eos_id: int  # ends a row
     pad_id: int  # fills a row after it ended
@@ -42,11 +41,6 @@ class _Transcriber(Protocol):
         """inputs (B, S, ...) + mask (B, S) True = real -> memory (B, S, ...), what the decoder reads."""
         ...
 
-
-@runtime_checkable
-class Seq2SeqDecoder(_Transcriber, Protocol):
-    """A model decoded token by token from a memory (omni.decoding)."""
-
     def new_cache(self, memory: Tensor, max_length: int) -> KVCache:
         """An empty cache for this batch's memory with room for ``max_length`` text tokens."""
         ...
@@ -57,21 +51,6 @@ class Seq2SeqDecoder(_Transcriber, Protocol):
         one, the text is appended to it and ``memory`` is needed on the first call only (after ``reset``);
         ``cache_position``: the cache slot of text[:, 0] as a () long device tensor (fixed-shape steps: no
         Python int per token), else the text follows what the cache holds."""
-        ...
-
-
-class EncoderDecoder(_Transcriber, Protocol):
-    """An encoder-decoder: a decoder trunk with cross-attention over the memory, and an output head."""
-
-    decoder: Any  # a Trunk: ``decoder.new_cache(batch, max_length, dtype=...)`` holds self- and cross-attention K/V
-
-    def head(self, hidden: Tensor) -> Tensor:
-        """Hidden states (..., d) -> logits (..., V)."""
-        ...
-
-    def decode_hidden(self, text: Tensor, memory: Tensor | None, mask: Tensor | None, cache: KVCache | None = None,
-                      cache_position: Tensor | None = None) -> Tensor:
-        """Text (B, T) -> decoder hidden states (B, T, d); cache and cache_position as ``Seq2SeqDecoder.logits``."""
         ...
 
 
@@ -105,4 +84,4 @@ class Policy(Protocol):
     def eval(self) -> Any: ...
 
 
-__all__ = ["EncoderDecoder", "LogitFilter", "Policy", "Seq2SeqDecoder"]
+__all__ = ["LogitFilter", "Policy", "Seq2SeqDecoder"]

@@ -13,9 +13,9 @@ Design decisions (documented here because recipes/whisper.py and `omni transcrib
   and lets incremental decoding use the static KV cache unchanged. Padded text targets are -100.
 * Teacher forcing on ``[bos, <|transcribe|>, ids..., eos]`` (TextTokenizer.encode(..., task="transcribe")):
   the task token is a given condition, so its prediction is never trained.
-* Decoding is omni.decoding's (``greedy_decode``, ``beam_search``, ``GraphedGreedyDecoder``, re-exported here),
-  which drives a SpeechRecognizer as an ``omni.interfaces.EncoderDecoder``: the decoder trunk's static KV
-  cache, cross-attention K/V computed once on the prompt step and reused. Guards: a per-row token limit
+* Decoding is omni.decoding's (``greedy_decode``, ``beam_search``, ``GraphedGreedyDecoder``, re-exported here);
+  a SpeechRecognizer is an ``omni.interfaces.Seq2SeqDecoder`` (``new_cache``, ``logits``): the decoder trunk's
+  static KV cache, cross-attention K/V computed once on the prompt step and reused. Guards: a per-row token limit
   (``max_new_tokens``, and ``tokens_per_second`` (25) x clip seconds + 8), and a repetition guard that stops
   a row whose last ``max_repeats`` blocks of ``p`` tokens (p = 1 .. ``max_period``) are identical and
   keeps only the first copy of that block. ``GraphedGreedyDecoder`` (and ``greedy_decode(graph=True)``)
@@ -116,6 +116,15 @@ class SpeechRecognizer(nn.Module):
         as a device tensor (fixed-shape decoding, see Trunk.forward), else after ``cache.length``."""
         return self.decoder(self.text_embed(text), None, "causal" if cache is None else None,
                             memory=memory, memory_mask=audio_mask, cache=cache, cache_position=cache_position)
+
+    def new_cache(self, memory: Tensor, max_length: int) -> KVCache:
+        """The decoder's empty cache for this batch: ``max_length`` text tokens, cross K/V in memory's dtype."""
+        return self.decoder.new_cache(memory.shape[0], max_length, dtype=memory.dtype)
+
+    def logits(self, text: Tensor, memory: Tensor | None, audio_mask: Tensor | None, cache: KVCache | None = None,
+               cache_position: Tensor | None = None) -> Tensor:
+        """Next-token logits (B, V) after text (B, T) (``omni.interfaces.Seq2SeqDecoder``)."""
+        return self.head(self.decode_hidden(text, memory, audio_mask, cache, cache_position)[:, -1])
 
     def forward_features(self, audio: Tensor, audio_mask: Tensor | None, text: Tensor) -> Tensor:
         """Teacher forcing: decoder hidden states (B, T, d) of text ids (B, T) over the encoded audio (B, S, F)."""
@@ -288,12 +297,11 @@ speech_loss = SpeechLoss()  # decoder cross-entropy only (the loss of every mode
 
 
 # ----------------------------------------------------------------------------------------------------
-# Decoding (omni.decoding: greedy_decode, beam_search and GraphedGreedyDecoder drive a SpeechRecognizer as an
-# omni.interfaces.EncoderDecoder)
+# Decoding (omni.decoding: greedy_decode, beam_search and GraphedGreedyDecoder)
 
 
 @torch.no_grad()
-def transcribe_batch(model: SpeechRecognizer | Seq2SeqDecoder, text_tok: TextTokenizer, audio: Tensor,
+def transcribe_batch(model: Seq2SeqDecoder, text_tok: TextTokenizer, audio: Tensor,
                      audio_mask: Tensor, *, beam_size: int = 1, length_penalty: float = 1.0,
                      **guards: Any) -> list[str]:
     """Padded audio tokens (B, S, F) + mask -> transcripts (greedy for beam_size 1, else beam search)."""
@@ -365,7 +373,7 @@ def read_audio_file(path: str | os.PathLike, sample_rate: int = 16000) -> Tensor
 
 
 @torch.no_grad()
-def transcribe_waveforms(model: SpeechRecognizer, audio_tok: AudioTokenizer, text_tok: TextTokenizer,
+def transcribe_waveforms(model: Seq2SeqDecoder, audio_tok: AudioTokenizer, text_tok: TextTokenizer,
                          waves: Sequence[Tensor], *, keys: Sequence[str] | None = None, batch_size: int = 16,
                          beam_size: int = 1, length_penalty: float = 1.0, window_seconds: float | None = None,
                          **guards: Any) -> list[str]:
@@ -424,7 +432,7 @@ def speech_task(config: dict[str, Any]) -> str | None:
 
 
 def _recognizer(checkpoint: str | os.PathLike, device: str | torch.device | None
-                ) -> tuple[SpeechRecognizer | Seq2SeqDecoder, AudioTokenizer, TextTokenizer]:
+                ) -> tuple[Seq2SeqDecoder, AudioTokenizer, TextTokenizer]:
     """``load_recognizer``, or for a multitask export (recipes/multimodal.py) its transcribe task as a prefix-LM
     decoder (``omni.multitask.PrefixLMTranscriber``) that ``transcribe_waveforms`` drives."""
     from omni.export import load_config, load_pretrained, load_tokenizers
