@@ -321,6 +321,20 @@ class WindowLoader:
 # The model
 
 
+def action_bounds(tok: TrajectoryTokenizer) -> tuple[Tensor, Tensor]:
+    """(center, half-width) of a continuous tokenizer's action bounds, float32, for ``rescale_actions``."""
+    low, high = tok.action_low, tok.action_high
+    if low is None or high is None or not (np.isfinite(low).all() and np.isfinite(high).all()):
+        raise ValueError("continuous actions need finite action_low/action_high on the tokenizer "
+                         "(the tanh head is rescaled to them)")
+    return torch.tensor((high + low) / 2, dtype=torch.float32), torch.tensor((high - low) / 2, dtype=torch.float32)
+
+
+def rescale_actions(out: Tensor, center: Tensor, scale: Tensor) -> Tensor:
+    """The tanh action head's output (..., A) in [-1, 1] -> actions in the bounds ``action_bounds`` describes."""
+    return center + scale * out
+
+
 class DecisionTransformer(nn.Module):
     """Trajectory embedder -> causal Trunk -> action head at every token (read at state tokens).
 
@@ -347,12 +361,9 @@ class DecisionTransformer(nn.Module):
         self.trunk = Trunk(trunk)
         self.head = ActionHead(trunk.d_model, tokenizer.n_action_outputs, tokenizer.discrete)
         if not tokenizer.discrete:
-            low, high = tokenizer.action_low, tokenizer.action_high
-            if low is None or high is None or not (np.isfinite(low).all() and np.isfinite(high).all()):
-                raise ValueError("continuous actions need finite action_low/action_high on the tokenizer "
-                                 "(the tanh head is rescaled to them)")
-            self.register_buffer("action_center", torch.tensor((high + low) / 2, dtype=torch.float32))
-            self.register_buffer("action_scale", torch.tensor((high - low) / 2, dtype=torch.float32))
+            center, scale = action_bounds(tokenizer)
+            self.register_buffer("action_center", center)
+            self.register_buffer("action_scale", scale)
 
     def forward(self, tokens: Tensor, cache: KVCache | None = None) -> Tensor:
         """tokens (B, T, F) -> head output (B, T, n_action_outputs) at every token, causal attention.
@@ -371,7 +382,7 @@ class DecisionTransformer(nn.Module):
     def forward_head(self, features: Tensor) -> Tensor:
         """Hidden states (..., d) -> action logits, or continuous actions rescaled to the bounds (..., n_out)."""
         out = self.head(features)
-        return out if self.discrete else self.action_center + self.action_scale * out
+        return out if self.discrete else rescale_actions(out, self.action_center, self.action_scale)
 
     def new_cache(self, batch_size: int, device: torch.device | str | None = None) -> KVCache:
         """A KV cache holding one full window (tokens_per_step * context tokens)."""
@@ -610,6 +621,6 @@ def evaluate(model: DecisionTransformer, tok: TrajectoryTokenizer, env_id: str, 
 
 
 __all__ = ["DecisionTransformer", "EpisodeData", "KIND_PAD", "RolloutResult", "SpaceSpec", "WindowLoader",
-           "action_loss", "build_decision_transformer", "check_env", "encode_episodes", "episode_return",
-           "evaluate", "gather_windows", "load_episodes", "make_envs", "make_tokenizer", "normalized_score",
-           "reference_returns", "rollout", "summarize_returns", "top_episodes"]
+           "action_bounds", "action_loss", "build_decision_transformer", "check_env", "encode_episodes",
+           "episode_return", "evaluate", "gather_windows", "load_episodes", "make_envs", "make_tokenizer",
+           "normalized_score", "reference_returns", "rescale_actions", "rollout", "summarize_returns", "top_episodes"]
