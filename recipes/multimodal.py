@@ -2,8 +2,8 @@
 offline RL (a Gymnasium dataset) and text language modelling, every batch PACKING samples of different
 modalities and lengths into fixed rows with the modality-aware mask (omni/packing.py): bidirectional
 inside image/audio spans, causal inside text/action spans, prefix-LM where a transcript follows its audio,
-never across samples. Tasks, mixing and losses: omni/multitask.py; what the recipe knows of each task kind
-(its Task class, evaluation options, results row): omni/task_kinds.py.
+never across samples. The task kinds (heads, losses, evaluation options, results row; looked up by kind name):
+omni/tasks/; the mixing loader: omni/mixture.py; the model: omni/multitask.py.
 
     python recipes/multimodal.py                          # preset for the device (base on CUDA, tiny on CPU)
     python recipes/multimodal.py --preset tiny            # CPU smoke run (small data, built on first use)
@@ -64,7 +64,7 @@ held-out episodes and paragraphs). The final OmniModel (every head) is exported 
 
 Task metrics (``eval_tasks``: True = at every eval and at the end, "end" = at the end only, False = never).
 Each task is scored as its single-task recipe scores it, on the same held-out data (``Task.evaluate`` in
-omni/multitask.py):
+omni/tasks/):
 
   image  top-1 accuracy on the Fashion-MNIST test split (all 10k; ``limit_eval`` cuts it)   = recipes/vit.py
   asr    CER / WER of greedy transcripts of the test clips, omni.speech.greedy_decode's rules and
@@ -123,9 +123,10 @@ from omni.config import (NON_EMPTY, Check, Key, at_least, check_corpus, keywords
 from omni.data.builders_speech import build_speech_synth
 from omni.data.clips import DecodeClip, log_mel_tokens
 from omni.deps import require
-from omni.multitask import MixtureLoader, MultitaskModel, Task, merge_tokenizers, multitask_loss
+from omni.mixture import MixtureLoader
+from omni.multitask import MultitaskModel, merge_tokenizers, multitask_loss
 from omni.segment import Segment
-from omni.task_kinds import KINDS, task_kind
+from omni.tasks import TASK_KINDS, Task, task_class
 from omni.train import Trainer, process_state, unwrap
 from omni.trunk import preset
 
@@ -154,7 +155,7 @@ SYNTH_ASR = dict(kind="transcribe", source="speech-synth", weight=1.0, loss_weig
 COUNT = Key(type=int, check=at_least(1))
 # What a task entry takes (each kind reads its own entries; `tokenizer` ... `n_classes`: a user task).
 TASK = Key(type=dict, entries=dict(
-    kind=Key(type=str, check=one_of(*KINDS)), source=Key(type=str),
+    kind=Key(type=str, check=one_of(*TASK_KINDS)), source=Key(type=str),
     weight=Key(type=float, check=at_least(0), help="sampling weight"),
     loss_weight=Key(type=float, check=at_least(0), help="factor on the task's mean loss"),
     patch=COUNT, limit_train=Key(), limit_eval=Key(), limit=Key(type=(int, None), check=at_least(1)),
@@ -247,7 +248,7 @@ def parse_args(argv=None) -> dict:
 
 # ---------------------------------------------------------------------------------------------------
 # Data: each source (SOURCES) returns {"train": data, "test": data}, the keyword arguments of its kind's Task
-# (omni.task_kinds); rank 0 builds caches under cfg["cache"]. ``text``: the shipped bpe-8k BPE, shared by every
+# (omni.tasks); rank 0 builds caches under cfg["cache"]. ``text``: the shipped bpe-8k BPE, shared by every
 # text-using task (one embedder, one tied LM head).
 
 
@@ -420,7 +421,7 @@ def import_callable(path: str):
 def user_data(spec: dict, cfg: dict, text) -> dict[str, dict[str, Any]]:
     """A user task (config only): ``data``, a 'module:function' returning (items, labels) for a split, read as
     the task's kind reads them."""
-    fn, read = import_callable(spec["data"]), KINDS[spec["kind"]].from_items
+    fn, read = import_callable(spec["data"]), task_class(spec["kind"]).from_items
     return {split: read(spec, *fn(split=split, seed=cfg["seed"], **spec.get("data_kwargs", {})), text)
             for split in ("train", "test")}
 
@@ -439,8 +440,8 @@ def task_source(name: str, spec: dict) -> Source:
     """Where a task's data come from: ``user_data`` for a task with a data callable, else its ``source``."""
     kind = spec["kind"]
     if "data" in spec:
-        if KINDS[kind].from_items is None:
-            takes = " or ".join(k for k, v in KINDS.items() if v.from_items is not None)
+        if not task_class(kind).reads_items():
+            takes = " or ".join(k for k, c in TASK_KINDS.items() if c.reads_items())
             raise ValueError(f"task {name!r}: kind {kind!r} with a data callable must be {takes}")
         return user_data
     feeds, source = SOURCES.get(spec.get("source"), (None, None))
@@ -458,7 +459,7 @@ def build_tasks(cfg: dict) -> dict[str, list[Task]]:
     text = TextTokenizer()
     out: dict[str, list[Task]] = {"train": [], "test": []}
     for name, spec in cfg["tasks"].items():
-        make = KINDS[spec["kind"]].task
+        make = task_class(spec["kind"])
         for split, data in task_source(name, spec)(spec, cfg, text).items():
             out[split].append(make(name, weight=float(spec.get("weight", 1.0)),
                                    loss_weight=float(spec.get("loss_weight", 1.0)), **data))
@@ -495,7 +496,7 @@ def task_metrics(model, tasks: list[Task], cfg: dict) -> dict[str, dict[str, flo
         if type(t).evaluate is Task.evaluate:  # a plug-in Task subclass without a held-out metric
             continue
         t0 = time.time()
-        result = t.evaluate(model, **task_kind(t.kind).eval_options(cfg["tasks"][t.name], cfg))
+        result = t.evaluate(model, **t.eval_options(cfg["tasks"][t.name], cfg))
         out[t.name] = {**result, "seconds": round(time.time() - t0, 2)}
     return out
 
@@ -508,8 +509,7 @@ def results_table(results: dict[str, dict[str, float]], tasks: list[Task]) -> st
         r = results.get(t.name)
         if r is None:
             continue
-        row = task_kind(t.kind).row(t, r)
-        lines.append(f"| {t.name} | " + " | ".join(row) + " |")
+        lines.append(f"| {t.name} | " + " | ".join(t.result_row(r)) + " |")
     return "\n".join(lines)
 
 

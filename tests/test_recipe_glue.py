@@ -1,6 +1,7 @@
 """The glue the recipes share: rank 0 first (omni.config.rank_zero_first), one speech-shard clip decoder with a
-typed too-long exception (omni.data.clips, ClipTooLong), the task-kind registry recipes/multimodal.py looks up
-(omni.task_kinds), and the R lazy-load reader (omni.data.rdata)."""
+typed too-long exception (omni.data.clips, ClipTooLong), the task kinds recipes/multimodal.py looks up by name
+(omni.tasks: each Task class owns its evaluation options and results row), and the R lazy-load reader
+(omni.data.rdata)."""
 
 from __future__ import annotations
 
@@ -22,9 +23,8 @@ from conftest import write_janeaustenr
 from omni.config import rank_zero_first
 from omni.data.clips import DecodeClip, log_mel_tokens
 from omni.data.rdata import decompress_chunk, read_lazyload
-from omni.multitask import ActionTask, ClassifyTask, LMTask, Task, TranscribeTask
 from omni.speech import speech_example
-from omni.task_kinds import KINDS, OTHER, task_kind
+from omni.tasks import TASK_KINDS, ActionTask, ClassifyTask, LMTask, Task, TranscribeTask, register_task, task_class
 from omni.tokenizers.audio import AudioTokenizer, ClipTooLong
 from omni.tokenizers.text import TextTokenizer
 
@@ -97,26 +97,42 @@ def test_clip_decoder_makes_whisper_examples_and_pickles():
 
 
 def test_every_kind_names_its_task_class():
-    assert list(KINDS) == ["classify", "transcribe", "action", "lm"]  # the recipe's config takes these, in order
-    assert {name: kind.task for name, kind in KINDS.items()} == {
+    assert list(TASK_KINDS) == ["classify", "transcribe", "action", "lm"]  # the recipe's config takes these, in order
+    assert {name: task_class(name) for name in TASK_KINDS} == {
         "classify": ClassifyTask, "transcribe": TranscribeTask, "action": ActionTask, "lm": LMTask}
-    assert all(kind.task.kind == name for name, kind in KINDS.items())
-    assert task_kind("video") is OTHER and task_kind(Task.kind) is OTHER
+    assert all(cls.kind == name for name, cls in TASK_KINDS.items())
+    for unknown in ("video", Task.kind):
+        with pytest.raises(ValueError, match=f"unknown task kind '{unknown}'; registered: classify, transcribe"):
+            task_class(unknown)
+    assert [k for k, cls in TASK_KINDS.items() if cls.reads_items()] == ["classify", "lm"]
+
+
+def test_a_plugin_kind_registers_by_name():
+    @register_task("test_video")
+    class VideoTask(Task):
+        pass
+
+    try:
+        assert task_class("test_video") is VideoTask and VideoTask.kind == "test_video"
+        with pytest.raises(ValueError, match="task kind 'test_video' is already registered by .*VideoTask"):
+            register_task("test_video")(type("Other", (Task,), {}))
+    finally:
+        del TASK_KINDS["test_video"]
 
 
 def test_evaluation_options_by_kind():
     cfg = {"row_length": 512, "rows": 2}
-    assert task_kind("classify").eval_options({}, cfg) == task_kind("lm").eval_options({}, cfg) == cfg
-    assert task_kind("transcribe").eval_options({}, cfg) == {"batch_size": 64, "max_new_tokens": 224}
-    assert task_kind("transcribe").eval_options({"eval_batch_size": 8, "max_new_tokens": 64}, cfg) == {
+    assert task_class("classify").eval_options({}, cfg) == task_class("lm").eval_options({}, cfg) == cfg
+    assert task_class("transcribe").eval_options({}, cfg) == {"batch_size": 64, "max_new_tokens": 224}
+    assert task_class("transcribe").eval_options({"eval_batch_size": 8, "max_new_tokens": 64}, cfg) == {
         "batch_size": 8, "max_new_tokens": 64}
-    assert task_kind("action").eval_options({"eval_seeds": 2, "target": 50.0}, cfg) == {
+    assert task_class("action").eval_options({"eval_seeds": 2, "target": 50.0}, cfg) == {
         "seeds": range(10_000, 10_002), "target": 50.0}
-    assert task_kind("video").eval_options({"eval_seeds": 2}, cfg) == {}
+    assert Task.eval_options({"eval_seeds": 2}, cfg) == {}  # a kind without options (a plug-in Task subclass)
 
 
 def test_results_rows_by_kind():
-    class Env:
+    class Env:  # stands in for the task: the action row names its env
         env_id = "CartPole-v1"
 
     rows = {
@@ -133,7 +149,8 @@ def test_results_rows_by_kind():
         "video": ({"f1": 0.5, "seconds": 3.0}, ("", "f1 0.5", "", "")),
     }
     for name, (result, row) in rows.items():
-        assert task_kind(name).row(Env(), result) == row, name
+        cls = Task if name == "video" else task_class(name)  # video: a plug-in Task subclass's default row
+        assert cls.result_row(Env(), result) == row, name
 
 
 def test_multimodal_sources_name_their_kind():

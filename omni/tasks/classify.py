@@ -1,0 +1,103 @@
+"""``ClassifyTask``: one segment of any modality, one class label -> ClassificationHead -> cross-entropy."""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from omni.mixture import MixedBatch
+from omni.model import OmniModel
+from omni.segment import Sample, Segment
+from omni.tasks.base import Row, Task, masked_mean, packed_eval_options, packed_items, register_task
+from omni.tokenizers.base import Tokenizer
+from omni.tokenizers.text import TextTokenizer
+
+
+@register_task("classify")
+class ClassifyTask(Task):
+    """One segment of ``tokenizer``'s modality per sample, one class label -> ClassificationHead.
+
+    ``items[i]`` is a raw input for ``tokenizer.encode`` (encoded when drawn) or an already encoded Segment.
+    """
+
+    metric_names = ("accuracy",)
+
+    def __init__(self, name: str, tokenizer: Tokenizer, items: Sequence[Any], labels: Sequence[int], n_classes: int,
+                 *, weight: float = 1.0, loss_weight: float = 1.0, pool: str = "mean",
+                 label_smoothing: float = 0.0) -> None:
+        super().__init__(name, weight, loss_weight)
+        if len(items) != len(labels) or not len(items):
+            raise ValueError(f"task {name!r}: {len(items)} items but {len(labels)} labels (need as many, >= 1)")
+        bad = [int(y) for y in labels if not 0 <= int(y) < n_classes]
+        if bad:
+            raise ValueError(f"task {name!r}: labels must lie in [0, {n_classes}), got {bad[:5]}")
+        self.tokenizer, self.items, self.labels = tokenizer, items, [int(y) for y in labels]
+        self.n_classes, self.pool, self.label_smoothing = int(n_classes), pool, float(label_smoothing)
+        self.modality = tokenizer.modality
+
+    def tokenizers(self) -> dict[str, Tokenizer]:
+        return {self.modality: self.tokenizer}
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def sample(self, i: int, rng: np.random.Generator) -> Sample:
+        key = f"{self.name}/{i}"
+        raw = self.items[i]
+        seg = raw if isinstance(raw, Segment) else self.tokenizer.encode(raw, key=key)
+        y = self.labels[i]
+        seg = Segment(seg.modality, seg.tokens, seg.positions, seg.role,
+                      targets=torch.full((len(seg),), y, dtype=torch.long), meta=seg.meta)
+        return Sample([seg], key=key, label=y)
+
+    def head_specs(self) -> dict[str, dict[str, Any]]:
+        return {self.name: {"type": "classification", "n_classes": self.n_classes, "pool": self.pool}}
+
+    def logits(self, model: OmniModel, hidden: Tensor, batch: MixedBatch) -> Tensor:
+        """(S_m, n_classes) for every segment of the modality (other tasks' segments included)."""
+        return model.forward_head(hidden, batch, self.name, self.modality)
+
+    def segment_labels(self, batch: MixedBatch) -> Tensor:
+        """(S_m,) label of every segment (0 for segments without a label of this task)."""
+        m = self.modality
+        n = batch.segment_document[m].shape[0]
+        y = batch.targets[m].long() if m in batch.targets else torch.zeros_like(batch.segment_of[m])
+        return torch.zeros(n, dtype=torch.long, device=y.device).scatter(0, batch.segment_of[m], y)
+
+    def loss(self, model: OmniModel, hidden: Tensor, batch: MixedBatch,
+             index: int) -> tuple[Tensor, dict[str, Tensor]]:
+        logits = self.logits(model, hidden, batch).float()
+        y = self.segment_labels(batch)
+        w = (batch.segment_task(self.modality) == index).float()
+        nll = F.cross_entropy(logits, y, reduction="none", label_smoothing=self.label_smoothing)
+        acc = (logits.argmax(-1) == y).float()
+        return masked_mean(nll, w), {"accuracy": masked_mean(acc, w)}
+
+    def evaluate(self, model: OmniModel, *, row_length: int = 1024, rows: int = 8) -> dict[str, float]:
+        """Top-1 accuracy and mean cross-entropy (no label smoothing) over every item, as recipes/vit.py
+        reports on its test split. Items are packed ``rows x row_length`` tokens at a time."""
+        correct, nll = 0, 0.0
+        for batch, hidden in packed_items(self, model, row_length, rows):
+            logits = self.logits(model, hidden, batch).float()  # one row per segment = per item
+            y = self.segment_labels(batch)
+            correct += int((logits.argmax(-1) == y).sum())
+            nll += float(F.cross_entropy(logits, y, reduction="sum"))
+        return {"accuracy": correct / len(self), "loss": nll / len(self), "items": float(len(self))}
+
+    eval_options = staticmethod(packed_eval_options)
+
+    def result_row(self, r: Mapping[str, float]) -> Row:
+        return "top-1 accuracy (%)", f"{100 * r['accuracy']:.2f}", f"loss {r['loss']:.4f}", f"{r['items']:.0f} test items"
+
+    @staticmethod
+    def from_items(entry: Mapping[str, Any], items: Sequence[Any], labels: Sequence[Any],
+                   text: TextTokenizer) -> dict[str, Any]:
+        """A registered tokenizer (``tokenizer``, ``tokenizer_kwargs``) over the items, ``n_classes`` labels."""
+        from omni.tokenizers import build_tokenizer
+
+        return {"tokenizer": build_tokenizer(entry["tokenizer"], **entry.get("tokenizer_kwargs", {})), "items": items,
+                "labels": labels, "n_classes": int(entry["n_classes"])}
