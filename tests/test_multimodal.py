@@ -1,7 +1,7 @@
-"""recipes/multimodal.py + omni/multitask.py on CPU: one trunk trained on image classification, speech
-recognition, offline RL and text LM at once, every batch packing all four; packed == each document alone
-(prefix-LM included); per-task metrics in TensorBoard; a plug-in modality joins by config only; 2 gloo ranks
-end with identical parameters. Task metrics as the single-task recipes measure them: image accuracy and text
+"""recipes/multimodal.py with omni/multitask.py, omni/tasks/ and omni/mixture.py on CPU: one trunk trained on image
+classification, speech recognition, offline RL and text LM at once, every batch packing all four; packed == each
+document alone (prefix-LM included); per-task metrics in TensorBoard; a plug-in modality joins by config only; 2
+gloo ranks end with identical parameters. Task metrics as the single-task recipes measure them: image accuracy and text
 perplexity == a per-item computation; prefix-LM greedy decoding with the KV cache == the packed forward, and
 recovers overfit transcripts exactly (CER 0); the optional CTC head reads each clip's own audio span of a packed
 batch and round-trips through the export; rollouts through the shared trunk == re-encoding per step; the
@@ -29,8 +29,9 @@ from _launch import gloo_env, run_group
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # `omni` when run as the torchrun worker
 
-from omni.multitask import (ClassifyTask, LMTask, MixedBatch, MixtureLoader, MultitaskModel,  # noqa: E402
-                            PrefixLMTranscriber, TrajectoryPolicy, TranscribeTask, eval_batches, pack_mixed)
+from omni.mixture import MixedBatch, MixtureLoader, eval_batches, pack_mixed  # noqa: E402
+from omni.multitask import MultitaskModel  # noqa: E402
+from omni.tasks import ClassifyTask, LMTask, PrefixLMTranscriber, TrajectoryPolicy, TranscribeTask  # noqa: E402
 
 MODALITIES = {"image", "audio", "text", "trajectory"}
 TASKS = ("image", "asr", "rl", "text")
@@ -140,7 +141,7 @@ def test_packed_documents_equal_each_document_alone(tiny):
         hidden = model.omni(batch)
         loss, metrics = model(batch)
         assert torch.isfinite(loss)
-        image_logits = model.omni.heads["image"](hidden, batch, "image")
+        image_logits = model.omni.forward_head(hidden, batch, "image", "image")
         worst = 0.0
         for d, i in enumerate(order):
             alone = pack_mixed([samples[i]], [tasks[i]], names)
@@ -150,7 +151,7 @@ def test_packed_documents_equal_each_document_alone(tiny):
             worst = max(worst, (mine - h[alone.document == 0]).abs().max().item())
             if names[tasks[i]] == "image":
                 seg = int((batch.segment_document["image"] == d).nonzero()[0])
-                solo = model.omni.heads["image"](h, alone, "image")[0]
+                solo = model.omni.forward_head(h, alone, "image", "image")[0]
                 torch.testing.assert_close(image_logits[seg], solo, atol=1e-5, rtol=1e-5)
     assert worst < 1e-4, worst
     # The prefix-LM: a transcript token sees the whole clip; the clip never sees its transcript.
@@ -319,7 +320,7 @@ def test_image_accuracy_and_text_perplexity_equal_per_item_computation(tiny):
     with torch.no_grad():
         for i in range(64):
             alone = pack_mixed([image.sample(i, None)], [0], ("image",))
-            logits = omni.heads["image"](omni(alone), alone, "image")
+            logits = omni.forward_head(omni(alone), alone, "image", "image")
             predicted.append(int(logits.argmax(-1)[0]))
             nll += F.cross_entropy(logits, torch.tensor([image.labels[i]])).item()
     correct = sum(p == y for p, y in zip(predicted, image.labels))
