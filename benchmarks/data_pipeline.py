@@ -14,11 +14,13 @@ from __future__ import annotations
 import argparse
 import io
 import time
+from functools import partial
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from omni.data.clips import DecodeClip
 from omni.data.reader import ShardLoader
 from omni.tokenizers.audio import AudioTokenizer
 
@@ -36,13 +38,10 @@ def collate_images(items):
     return torch.stack(images), torch.tensor(labels)
 
 
-class DecodeSpeech:
-    def __init__(self) -> None:
-        self.tokenizer = AudioTokenizer()
-
-    def __call__(self, sample):
-        segment = self.tokenizer.encode(sample["flac"], key=sample["__key__"])
-        return segment.tokens, segment.meta["seconds"]
+def tokens_and_seconds(audio: AudioTokenizer, raw: bytes, transcript: str, key: str) -> tuple[torch.Tensor, float]:
+    """A DecodeClip ``encode``: (the clip's log-mel tokens, its duration in seconds)."""
+    segment = audio.encode(raw, key=key)
+    return segment.tokens, segment.meta["seconds"]
 
 
 def collate_speech(items):
@@ -79,7 +78,8 @@ def main() -> None:
         from omni.data.builders_speech import build_speech_synth
 
         build_speech_synth(args.speech, train=600, test=20, text=args.text, quiet=True)
-    loader = ShardLoader(args.speech, DecodeSpeech(), collate_speech, batch_size=32, num_workers=args.workers, seed=0)
+    decode = DecodeClip(partial(tokens_and_seconds, AudioTokenizer()))  # a clip over 30 s is dropped, with a warning
+    loader = ShardLoader(args.speech, decode, collate_speech, batch_size=32, num_workers=args.workers, seed=0)
     audio, secs = run(loader, lambda b: b[1])
     print(f"| speech FLAC -> log-mel stem tokens | {args.workers} workers | {audio:,.0f} s of audio in {secs:.1f} s "
           f"| **{audio / secs:,.0f} s of audio/s** |", flush=True)
