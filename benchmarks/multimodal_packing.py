@@ -96,10 +96,12 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from omni.multitask import ActionTask, ClassifyTask, LMTask, MixedBatch, MixtureLoader, MultitaskModel, Task, \
-    TranscribeTask, pack_mixed
+from omni.config import defaults
+from omni.mixture import MixedBatch, MixtureLoader, pack_mixed
+from omni.multitask import MultitaskModel
 from omni.packing import PackedBatch, Packer
 from omni.segment import Sample
+from omni.tasks import ActionTask, ClassifyTask, LMTask, Task, TranscribeTask
 from omni.tokenizers.audio import AudioTokenizer
 from omni.tokenizers.image import ImageTokenizer
 from omni.tokenizers.text import TextTokenizer
@@ -128,14 +130,15 @@ SPEECH = dict(min_words=3, max_words=25, rates=(130, 210))  # omni.data.builders
 
 
 def recipe_config(name: str) -> dict[str, Any]:
-    """{**COMMON, **PRESETS[name]} of recipes/multimodal.py (loaded from its file: recipes/ is no package)."""
+    """{**COMMON's defaults, **PRESETS[name]} of recipes/multimodal.py (loaded from its file: recipes/ is no
+    package)."""
     spec = importlib.util.spec_from_file_location("multimodal_recipe", ROOT / "recipes" / "multimodal.py")
     module = importlib.util.module_from_spec(spec)
     assert spec.loader is not None
     spec.loader.exec_module(module)
     if name not in module.PRESETS:
         raise SystemExit(f"unknown recipe preset {name!r}; choose from {', '.join(module.PRESETS)}")
-    return {**copy.deepcopy(module.COMMON), **copy.deepcopy(module.PRESETS[name]), "preset": name}
+    return {**defaults(module.COMMON), **copy.deepcopy(module.PRESETS[name]), "preset": name}
 
 
 def vocabulary_words(text: TextTokenizer) -> list[str]:

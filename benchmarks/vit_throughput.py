@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from omni.heads import ClassificationHead
 from omni.tokenizers.image import ImageTokenizer, grid_positions, patchify
 from omni.trunk import Trunk, preset
 
@@ -26,7 +27,7 @@ VIT_B16_GFLOP_FWD = 35.1  # per 224px image (research/anchors.md); training = 3x
 
 
 class OmniViT(nn.Module):
-    """Image tokenizer embedder -> shared trunk -> mean-pool head (uniform-batch fast path)."""
+    """Image tokenizer embedder -> shared trunk -> mean-pool ClassificationHead (uniform-batch fast path)."""
 
     def __init__(self, n_classes: int = 1000, size: str = "B", patch: int = 16, image: int = 224,
                  attention: str = "sdpa", **trunk_overrides) -> None:
@@ -40,8 +41,7 @@ class OmniViT(nn.Module):
         self.embed = ImageTokenizer(patch_size=patch, channels=3).embedder(cfg.d_model)
         self.trunk = Trunk(cfg)
         self.register_buffer("positions", grid_positions(image // patch, image // patch)[None], persistent=False)
-        self.head_norm = nn.LayerNorm(cfg.d_model)
-        self.head = nn.Linear(cfg.d_model, n_classes)
+        self.head = ClassificationHead(cfg.d_model, n_classes)
 
     def forward(self, images: Tensor) -> Tensor:
         x = self.embed(patchify(images, self.patch))  # (B, n, d)
@@ -54,7 +54,7 @@ class OmniViT(nn.Module):
                 self.block_mask = create_block_mask(lambda b, h, q, k: q >= 0, None, None, n, n, device=x.device)
             mask = self.block_mask
         x = self.trunk(x, self.positions.expand(x.shape[0], -1, -1), mask=mask)
-        return self.head(self.head_norm(x.mean(1)))
+        return self.head(x)  # (B, n, d): each row one image
 
 
 def build(name: str, omni_options: dict | None = None) -> nn.Module:

@@ -52,7 +52,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from omni.speech import GraphedGreedyDecoder, SpeechRecognizer, greedy_decode
+from omni.decoding import GraphedGreedyDecoder, greedy_decode
+from omni.speech import SpeechRecognizer
 from omni.tokenizers.audio import AudioTokenizer, unfold_tokens
 from omni.tokenizers.text import TextTokenizer
 from omni.trunk import preset
