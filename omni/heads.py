@@ -135,16 +135,10 @@ class ClassificationHead(Head):
     def options(self) -> dict[str, Any]:
         return {"n_classes": self.proj.out_features, "pool": self.pool}
 
-    def forward(self, x: Tensor, segment_ids: Tensor | PackedBatch | None = None,
-                n_segments: int | str | None = None) -> Tensor:
+    def forward(self, x: Tensor, segment_ids: Tensor | None = None, n_segments: int | None = None) -> Tensor:
         """x (N, d) tokens with ``segment_ids`` (N,) -> logits (n_segments, n_classes); x (B, n, d) without,
-        each row one segment -> (B, n_classes). The older call ``head(hidden (B, T, d), packed_batch, modality)``
-        still reads the modality's segments of a packed batch (prefer ``OmniModel.forward_head``)."""
-        if isinstance(segment_ids, PackedBatch):
-            x, ids, n = packed_segments(x, segment_ids, str(n_segments))
-        else:
-            ids, n = segment_ids, None if n_segments is None else int(n_segments)
-        return self.proj(self.norm(pool_segments(x, self.pool, ids, n)))
+        each row one segment -> (B, n_classes). A packed batch's segments: ``OmniModel.forward_head``."""
+        return self.proj(self.norm(pool_segments(x, self.pool, segment_ids, n_segments)))
 
 
 @register_head("lm")

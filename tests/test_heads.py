@@ -59,7 +59,6 @@ def test_classification_head_reads_tensors_and_the_model_reads_packed_batches():
         by_model = model.forward_head(hidden, batch, "cls", "image")
         assert by_model.shape == (3, 4)
         torch.testing.assert_close(head(tokens, ids, n), by_model)
-        torch.testing.assert_close(head(hidden, batch, "image"), by_model)  # the older call form
         for s in range(n):  # each image alone, as one row of a uniform batch
             torch.testing.assert_close(head(tokens[ids == s][None])[0], by_model[s])
 
