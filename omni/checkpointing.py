@@ -355,18 +355,10 @@ class Checkpointer:
                 print(f"omni.train: {self.output_dir} holds an export but no checkpoint to resume: training from "
                       f"scratch, {self.export_dir} will be replaced at the end", flush=True)
             return False
-        differences = config_differences(recorded, self.run_config)
         # refused only where work would be lost: an export that training anew replaces
-        if differences and self.config.resume == "auto" and self.export_dir.exists():
-            raise ResumeMismatchError(
-                f"{self.output_dir} holds a run with another config ({RUN_CONFIG_NAME}; it wrote no checkpoint to "
-                f"resume, and training anew replaces its export {self.export_dir}):\n  " + "\n  ".join(differences)
-                + "\nPass resume='force' (recipes: --set resume=force) to train this config here anyway, or use "
-                "another output directory (--out).")
-        if differences:
-            print(f"omni.train: training {self.output_dir} anew with another config than its last run's:\n  "
-                  + "\n  ".join(differences), flush=True)
-        return bool(differences)
+        return self._held_to(recorded, f"{RUN_CONFIG_NAME}; it wrote no checkpoint to resume, and training anew "
+                             f"replaces its export {self.export_dir}", refuse=self.export_dir.exists(),
+                             going_on=f"training {self.output_dir} anew with another config than its last run's")
 
     def record_start(self) -> None:
         """Main process: record this run's config (``run_config.json``) before training starts."""
@@ -389,15 +381,23 @@ class Checkpointer:
         """Whether the checkpoint's recorded run config differs from this run's (ResumeMismatchError under
         resume="auto"). Checkpoints written before configs were recorded are taken as they are."""
         old = meta.get("run_config")
-        differences = config_differences(old, self.run_config) if isinstance(old, Mapping) else []
-        if differences and self.config.resume == "auto":
+        if not isinstance(old, Mapping):
+            return False
+        return self._held_to(old, f"checkpoint {ckpt}; resuming would continue that run, not train this one",
+                             refuse=True, going_on=f"resume='force': resuming {ckpt} although the config differs")
+
+    def _held_to(self, recorded: Mapping[str, Any], source: str, refuse: bool, going_on: str) -> bool:
+        """Whether ``recorded`` (an earlier run's config; ``source`` says where it is and what going on does)
+        differs from this run's: ResumeMismatchError listing the differences under resume="auto" where
+        ``refuse``, else they are printed after ``going_on``."""
+        differences = config_differences(recorded, self.run_config)
+        if differences and refuse and self.config.resume == "auto":
             raise ResumeMismatchError(
-                f"{self.output_dir} holds a run with another config (checkpoint {ckpt}):\n  " + "\n  ".join(differences)
-                + "\nResuming would continue that run, not train this one. Pass resume='force' (recipes: --set "
-                "resume=force) to resume it with this config anyway, or use another output directory (--out).")
+                f"{self.output_dir} holds a run with another config ({source}):\n  " + "\n  ".join(differences)
+                + "\nPass resume='force' (recipes: --set resume=force) to go on with this config anyway, or use "
+                "another output directory (--out).")
         if differences:
-            print(f"omni.train: resume='force': resuming {ckpt} although the config differs:\n  "
-                  + "\n  ".join(differences), flush=True)
+            print(f"omni.train: {going_on}:\n  " + "\n  ".join(differences), flush=True)
         return bool(differences)
 
     def _check_shapes(self, ckpt: Path, shapes: Mapping[str, tuple[int, ...]] | None) -> None:
