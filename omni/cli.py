@@ -11,6 +11,7 @@ import argparse
 import json
 import math
 import sys
+import warnings
 from pathlib import Path
 from typing import Any, Callable, NoReturn, Sequence
 
@@ -250,12 +251,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def plain_warnings(prog: str) -> None:
+    """Warnings as one line ``<prog>: warning: <message>``: Python's default format adds the source file and
+    the line of code that warned, which a command-line user has no use for."""
+    warnings.formatwarning = lambda message, *_, **__: f"{prog}: warning: {message}\n"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # --help, --version and usage errors end in argparse: hand back their status
         return int(exc.code or 0)
+    plain_warnings(f"omni {args.command}")
     try:
         return int(args.func(args) or 0)
     except UsageError as exc:

@@ -331,3 +331,14 @@ def test_damaged_export_is_one_line_naming_the_file(vit, damage, tmp_path, capsy
     assert status == 2 and out == ""
     line = one_line(err)
     assert line.startswith("omni predict: error: ") and str(target) in line
+
+
+def test_warnings_are_one_line_naming_the_command(monkeypatch) -> None:
+    import warnings
+
+    from omni.cli import plain_warnings
+
+    monkeypatch.setattr(warnings, "formatwarning", warnings.formatwarning)  # restored after the test
+    plain_warnings("omni data images")
+    assert warnings.formatwarning("x.jpg: skipped", UserWarning, "/src/omni/data/cli.py", 94) == \
+        "omni data images: warning: x.jpg: skipped\n"
