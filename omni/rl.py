@@ -335,6 +335,21 @@ def rescale_actions(out: Tensor, center: Tensor, scale: Tensor) -> Tensor:
     return center + scale * out
 
 
+class CarriedTensors(nn.Module):
+    """Tensors of a converted checkpoint that the model never reads, held as buffers so that the model hands
+    the checkpoint back whole (a Hugging Face Decision Transformer's GPT-2 token / position tables and state /
+    return predictors: omni.interop.hf_decision_transformer). Named by their source names, '.' written '/'."""
+
+    def __init__(self, shapes: Mapping[str, Sequence[int]]) -> None:
+        super().__init__()
+        for name, shape in shapes.items():
+            self.register_buffer(name.replace(".", "/"), torch.zeros(tuple(shape)))
+
+    def tensors(self) -> dict[str, Tensor]:
+        """{source name: tensor}."""
+        return {name.replace("/", "."): t for name, t in self.named_buffers()}
+
+
 class DecisionTransformer(nn.Module):
     """Trajectory embedder -> causal Trunk -> action head at every token (read at state tokens).
 
@@ -343,10 +358,12 @@ class DecisionTransformer(nn.Module):
     token keeps its timestep). On datasets of smooth controllers "repeat the last action" predicts the
     data almost as well as the state does, and a model that leans on it copies its own first, timid
     actions in rollouts; hiding actions makes it read the state. 0 (default) is the official DT.
+    carried: tensors of a converted checkpoint the model does not read (``CarriedTensors``), kept in its
+    state dict; None (default) adds nothing.
     """
 
     def __init__(self, tokenizer: TrajectoryTokenizer, trunk: TrunkConfig, *, use_returns: bool = True,
-                 action_dropout: float = 0.0) -> None:
+                 action_dropout: float = 0.0, carried: CarriedTensors | None = None) -> None:
         super().__init__()
         if not 0.0 <= action_dropout < 1.0:
             raise ValueError(f"action_dropout must be in [0, 1), got {action_dropout}")
@@ -364,6 +381,7 @@ class DecisionTransformer(nn.Module):
             center, scale = action_bounds(tokenizer)
             self.register_buffer("action_center", center)
             self.register_buffer("action_scale", scale)
+        self.carried = carried
 
     def forward(self, tokens: Tensor, cache: KVCache | None = None) -> Tensor:
         """tokens (B, T, F) -> head output (B, T, n_action_outputs) at every token, causal attention.
@@ -390,9 +408,11 @@ class DecisionTransformer(nn.Module):
 
 
 def build_decision_transformer(config: dict[str, Any], tokenizers: dict[str, Any]) -> DecisionTransformer:
-    """Export builder (config.json "builder": "omni.rl:build_decision_transformer")."""
+    """Export builder (config.json "builder": "omni.rl:build_decision_transformer"); ``config["carried"]``
+    ({name: shape}, optional) rebuilds the ``CarriedTensors`` of a converted checkpoint."""
+    carried = CarriedTensors(config["carried"]) if config.get("carried") else None
     return DecisionTransformer(tokenizers["trajectory"], TrunkConfig(**config["trunk"]),
-                               use_returns=config.get("use_returns", True))
+                               use_returns=config.get("use_returns", True), carried=carried)
 
 
 def action_loss(model: nn.Module, tok: TrajectoryTokenizer, tokens: Tensor, targets: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
@@ -620,7 +640,8 @@ def evaluate(model: DecisionTransformer, tok: TrajectoryTokenizer, env_id: str, 
     return rows
 
 
-__all__ = ["DecisionTransformer", "EpisodeData", "KIND_PAD", "RolloutResult", "SpaceSpec", "WindowLoader",
-           "action_bounds", "action_loss", "build_decision_transformer", "check_env", "encode_episodes",
-           "episode_return", "evaluate", "gather_windows", "load_episodes", "make_envs", "make_tokenizer",
-           "normalized_score", "reference_returns", "rescale_actions", "rollout", "summarize_returns", "top_episodes"]
+__all__ = ["CarriedTensors", "DecisionTransformer", "EpisodeData", "KIND_PAD", "RolloutResult", "SpaceSpec",
+           "WindowLoader", "action_bounds", "action_loss", "build_decision_transformer", "check_env",
+           "encode_episodes", "episode_return", "evaluate", "gather_windows", "load_episodes", "make_envs",
+           "make_tokenizer", "normalized_score", "reference_returns", "rescale_actions", "rollout", "summarize_returns",
+           "top_episodes"]
