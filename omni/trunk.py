@@ -39,8 +39,9 @@ class TrunkConfig:
     mlp_ratio: float = 4.0  # hidden = mlp_ratio * d_model (swiglu: 2/3 of it, rounded to 64, as LLaMA)
     norm: Literal["layernorm", "rmsnorm"] = "layernorm"
     norm_eps: float = 1e-5
-    positions: Literal["rope", "rope2d", "learned", "sinusoidal", "none"] = "rope"
-    max_positions: int = 4096  # learned table size per axis
+    final_norm: bool = True  # False: the last block's output as it is (the head normalises: timm's fc_norm)
+    positions: Literal["rope", "rope2d", "learned", "learned_1d", "sinusoidal", "none"] = "rope"
+    max_positions: int = 4096  # learned table size (per axis for "learned")
     rope_base: float = 10000.0
     cross_attention: bool = False  # adds a cross-attention sublayer (encoder-decoder decoder)
     bias: bool = True
@@ -199,6 +200,19 @@ class LearnedPositions(nn.Module):
         return self.rows(p[..., 0]) + self.cols(p[..., 1])
 
 
+class SequencePositions(nn.Module):
+    """One learned table indexed by the token's place in its sequence (axis 0 of the positions): a ViT's
+    (1 + N, d) position table, CLS at 0. Beyond the table the last entry repeats, as in LearnedPositions."""
+
+    def __init__(self, cfg: TrunkConfig) -> None:
+        super().__init__()
+        self.table = nn.Embedding(cfg.max_positions, cfg.d_model)
+        self.max_positions = cfg.max_positions
+
+    def forward(self, positions: Tensor) -> Tensor:
+        return self.table(positions[..., 0].clamp(0, self.max_positions - 1))  # (B, T, 2) -> (B, T, d)
+
+
 class SinusoidalPositions(nn.Module):
     """Fixed sin/cos positions; half the channels encode axis 0, half axis 1 (MAE-style 2-D sincos)."""
 
@@ -212,6 +226,14 @@ class SinusoidalPositions(nn.Module):
     def forward(self, positions: Tensor) -> Tensor:
         a = positions.float()[..., None] * self.inv_freq  # (B, T, 2, d/4)
         return torch.cat([a.sin(), a.cos()], dim=-1).flatten(-2)  # (B, T, d)
+
+
+# TrunkConfig.positions -> the module whose output is added to the embeddings (rotary and "none" add nothing).
+ABSOLUTE_POSITIONS: dict[str, Callable[[TrunkConfig], nn.Module]] = {
+    "learned": LearnedPositions,  # row table + column table
+    "learned_1d": SequencePositions,  # one table over token order (timm ViT)
+    "sinusoidal": lambda cfg: SinusoidalPositions(cfg.d_model),
+}
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -466,12 +488,10 @@ class Trunk(nn.Module):
         self.cfg = cfg
         self.rope = (RotaryEmbedding(cfg.head_dim, cfg.rope_base, two_d=cfg.positions == "rope2d")
                      if cfg.positions in ("rope", "rope2d") else None)
-        self.absolute: nn.Module | None = {
-            "learned": lambda: LearnedPositions(cfg),
-            "sinusoidal": lambda: SinusoidalPositions(cfg.d_model),
-        }.get(cfg.positions, lambda: None)()
+        absolute = ABSOLUTE_POSITIONS.get(cfg.positions)
+        self.absolute = absolute(cfg) if absolute is not None else None
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
-        self.norm = make_norm(cfg)
+        self.norm = make_norm(cfg) if cfg.final_norm else nn.Identity()
         self.apply(self._init_weights)
         for name, p in self.named_parameters():  # GPT-2: scale residual projections by depth
             if name.endswith(("attn.out.weight", "cross.out.weight", "mlp.down.weight")):
@@ -490,7 +510,7 @@ class Trunk(nn.Module):
                 memory: Tensor | None = None, memory_mask: Tensor | None = None,
                 cache: KVCache | None = None, pad: Tensor | None = None,
                 cache_position: Tensor | None = None) -> Tensor:
-        """x (B, T, d) embeddings -> (B, T, d) normalised hidden states.
+        """x (B, T, d) embeddings -> (B, T, d) hidden states (normalised unless cfg.final_norm is False).
 
         positions: (B, T, 2) or (B, T) ints; default 0..T-1 (continuing after the cache).
         mask:      see the module docstring; with a cache: None/"causal", "full" or bool (B|1, 1, T, T)
