@@ -10,7 +10,8 @@ Registry. Each head type is registered under its spec "type"; ``head.spec()`` gi
 records, ``{"type": ..., **options}``, and ``build_head(spec, d_model, embedders)`` rebuilds the same head
 from it (the export's "omni" builder and ``Task.make_heads`` both build through it):
 
-    classification  n_classes, pool ("mean" | "cls")
+    classification  n_classes, pool ("mean" | "cls"), norm_eps (the head LayerNorm's eps; None: no head norm;
+                    recorded only when not the default 1e-5)
     lm              vocab_size, tie_to (optional: the modality whose embedding table the head shares)
     action          n_outputs, discrete
 
@@ -116,24 +117,30 @@ def build_head(spec: Mapping[str, Any], d_model: int, embedders: Mapping[str, nn
 # The built-in heads
 
 
+HEAD_NORM_EPS = 1e-5  # ClassificationHead's default LayerNorm eps (torch's)
+
+
 @register_head("classification")
 class ClassificationHead(Head):
-    """Pool -> LayerNorm -> Linear: one prediction per segment (the mean of its tokens, or its first, CLS, token)."""
+    """Pool -> LayerNorm -> Linear: one prediction per segment (the mean of its tokens, or its first, CLS, token).
+    ``norm_eps=None`` drops the LayerNorm (the trunk's final norm is the last, as in timm's token-pooled ViTs)."""
 
     per_segment = True
 
-    def __init__(self, d_model: int, n_classes: int, pool: Pool = "mean") -> None:
+    def __init__(self, d_model: int, n_classes: int, pool: Pool = "mean",
+                 norm_eps: float | None = HEAD_NORM_EPS) -> None:
         super().__init__()
         if pool not in ("mean", "cls"):
             raise ValueError(f"pool must be 'mean' or 'cls', got {pool!r}")
-        self.pool = pool
-        self.norm = nn.LayerNorm(d_model)
+        self.pool, self.norm_eps = pool, norm_eps
+        self.norm = nn.Identity() if norm_eps is None else nn.LayerNorm(d_model, eps=norm_eps)
         self.proj = nn.Linear(d_model, n_classes)
         nn.init.zeros_(self.proj.weight)  # start from uniform predictions (as big_vision's head)
         nn.init.zeros_(self.proj.bias)
 
     def options(self) -> dict[str, Any]:
-        return {"n_classes": self.proj.out_features, "pool": self.pool}
+        eps = {} if self.norm_eps == HEAD_NORM_EPS else {"norm_eps": self.norm_eps}  # older specs stay as they were
+        return {"n_classes": self.proj.out_features, "pool": self.pool, **eps}
 
     def forward(self, x: Tensor, segment_ids: Tensor | None = None, n_segments: int | None = None) -> Tensor:
         """x (N, d) tokens with ``segment_ids`` (N,) -> logits (n_segments, n_classes); x (B, n, d) without,
