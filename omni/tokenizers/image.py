@@ -25,10 +25,18 @@ Pipeline (``encode`` for one image, ``encode_batch`` for a uniform (B, C, H, W) 
      like ``Resize((H, W))``) or, without ``image_size``, to the nearest multiple of ``patch_size``
      per side (at least one patch); 37x53 at p=16 -> 32x48, grid (2, 3); 1x1 -> 16x16, grid (1, 1).
 
-   ``image_size`` must be a multiple of ``patch_size``.
+   - ``"crop"``: torchvision's ``Resize(resize)`` + ``CenterCrop(image_size)``, timm's evaluation transform:
+     the shorter side is resized to ``resize = floor(max(image_size) / crop_pct)`` (crop_pct 1.0 by default),
+     aspect kept, and the centre ``image_size`` is cut out. 8-bit images (every value k / 255) are resampled
+     by PIL in 8 bits as torchvision does for PIL images, so the pixels equal that pipeline's bit for bit;
+     others by torch's antialiased kernel, clamped to [0, 1].
+
+   ``image_size`` must be a multiple of ``patch_size``. ``interpolation`` ("bilinear" default, "bicubic",
+   "nearest") is the filter of "resize" and "crop".
 4. **Normalise** per channel: ``(x - mean) / std`` (defaults 0.5 / 0.5 -> [-1, 1]).
 5. **Patchify** with einops ``c (gh p1) (gw p2) -> (gh gw) (p1 p2 c)``: tokens (n, p*p*C) float32
-   in row-major patch order, positions (n, 2) int64 = (row, col).
+   in row-major patch order, positions (n, 2) int64 = (row, col) (``positions="grid"``), or (i, i) for the i-th
+   token (``positions="sequence"``: one index per token, CLS first, for a single learned position table).
 
 ``max_patches`` (None = unlimited) bounds ``gh * gw``. Over-long images raise by default
 (``on_overflow="error"``); ``on_overflow="resize"`` instead downsizes the image, aspect kept, until
@@ -38,8 +46,8 @@ in the constructor.
 ``cls=True`` prepends a CLS token and appends one flag column to every token: the CLS row is all
 zeros with flag 1.0, patch rows carry flag 0.0. The embedder swaps flagged rows for a learned vector
 with ``torch.where`` (no data-dependent Python, compile friendly). The CLS position is (0, 0), shared
-with the top-left patch; its learned vector, not its position, tells it apart, and patch positions
-stay the same with or without CLS.
+with the top-left patch (``positions="grid"``); its learned vector, not its position, tells it apart, and
+patch positions stay the same with or without CLS. With ``positions="sequence"`` CLS is token 0.
 
 ``meta`` = ``{"grid": (gh, gw), "image_size": (H, W) of the input, "content_size": (h, w) of the
 image inside the padded canvas after any resize}``; ``decode`` uses it to invert tokens to pixels.
@@ -75,7 +83,9 @@ __all__ = [
 
 LUMA_601 = (0.299, 0.587, 0.114)
 _FLOAT_SLACK = 1e-4  # rounding slack for float inputs computed as e.g. x / 255 or by a resize
-_POLICIES = ("pad", "resize")
+_POLICIES = ("pad", "resize", "crop")
+_POSITIONS = ("grid", "sequence")
+_INTERPOLATIONS = ("bilinear", "bicubic", "nearest")
 _OVERFLOW = ("error", "resize")
 _ALPHA = ("composite", "drop")
 
@@ -312,6 +322,9 @@ class ImageTokenizer(Tokenizer):
         cls: bool = False,
         alpha: str = "composite",
         background: float | Sequence[float] = 1.0,
+        crop_pct: float | None = None,
+        interpolation: str = "bilinear",
+        positions: str = "grid",
     ) -> None:
         if int(patch_size) != patch_size or patch_size < 1:
             raise ValueError(f"patch_size must be a positive integer, got {patch_size!r}")
@@ -323,6 +336,11 @@ class ImageTokenizer(Tokenizer):
             raise ValueError(f"on_overflow must be one of {_OVERFLOW}, got {on_overflow!r}")
         if alpha not in _ALPHA:
             raise ValueError(f"alpha must be one of {_ALPHA}, got {alpha!r}")
+        if interpolation not in _INTERPOLATIONS:
+            raise ValueError(f"interpolation must be one of {_INTERPOLATIONS}, got {interpolation!r}")
+        if positions not in _POSITIONS:
+            raise ValueError(f"positions must be one of {_POSITIONS}, got {positions!r}")
+        self.interpolation, self.positions = interpolation, positions
         self.patch_size = int(patch_size)
         self.channels = int(channels)
         self.policy = policy
@@ -339,6 +357,15 @@ class ImageTokenizer(Tokenizer):
                     f"{self.patch_size}, got {image_size!r}"
                 )
             self.image_size = (hw[0], hw[1])
+        self.crop_pct: float | None = None
+        if policy == "crop":
+            if self.image_size is None:
+                raise ValueError("policy='crop' needs image_size (the size of the centre crop)")
+            self.crop_pct = 1.0 if crop_pct is None else float(crop_pct)
+            if not 0 < self.crop_pct <= 1:
+                raise ValueError(f"crop_pct must lie in (0, 1], got {crop_pct!r}")
+        elif crop_pct is not None:
+            raise ValueError(f"crop_pct is the centre crop's share of policy='crop'; policy is {policy!r}")
 
         if max_patches is not None and (int(max_patches) != max_patches or max_patches < 1):
             raise ValueError(f"max_patches must be None or a positive integer, got {max_patches!r}")
@@ -369,6 +396,9 @@ class ImageTokenizer(Tokenizer):
             "cls": self.cls,
             "alpha": self.alpha,
             "background": list(self.background),
+            "crop_pct": self.crop_pct,
+            "interpolation": self.interpolation,
+            "positions": self.positions,
         }
 
     # -- sizes --------------------------------------------------------------------------------------
@@ -385,6 +415,9 @@ class ImageTokenizer(Tokenizer):
     def _fit(self, h: int, w: int) -> tuple[int, int, int, int]:
         """(content_h, content_w, canvas_h, canvas_w) for an h x w input, before the max_patches bound."""
         p = self.patch_size
+        if self.policy == "crop":
+            assert self.image_size is not None  # the constructor's check
+            return (*self.image_size, *self.image_size)
         if self.policy == "resize":
             if self.image_size is not None:
                 ch, cw = self.image_size
@@ -467,8 +500,10 @@ class ImageTokenizer(Tokenizer):
         h, w = x.shape[-2:]
         ch, cw, canvas_h, canvas_w = self._layout(h, w, key)
         x = self._convert_channels(x)
-        if (ch, cw) != (h, w):
-            x = TF.resize(x, [ch, cw], interpolation=TF.InterpolationMode.BILINEAR, antialias=True)
+        if self.policy == "crop":
+            x = self._resize_crop(x)
+        elif (ch, cw) != (h, w):
+            x = TF.resize(x, [ch, cw], interpolation=TF.InterpolationMode(self.interpolation), antialias=True)
         mean = torch.tensor(self.mean, dtype=x.dtype, device=x.device).view(1, -1, 1, 1)
         std = torch.tensor(self.std, dtype=x.dtype, device=x.device).view(1, -1, 1, 1)
         x = (x - mean) / std
@@ -484,8 +519,35 @@ class ImageTokenizer(Tokenizer):
         grid = (canvas_h // self.patch_size, canvas_w // self.patch_size)
         return tokens.contiguous(), grid, (ch, cw)
 
-    def _positions(self, grid: tuple[int, int], device: torch.device | None = None) -> Tensor:
-        pos = grid_positions(*grid, device=device)
+    @property
+    def resize(self) -> int | None:
+        """Policy "crop": the shorter side before the centre is cut out, floor(max(image_size) / crop_pct)."""
+        if self.crop_pct is None or self.image_size is None:
+            return None
+        return math.floor(max(self.image_size) / self.crop_pct)
+
+    def _resize_crop(self, x: Tensor) -> Tensor:
+        """(B, C, H, W) in [0, 1] -> (B, C, *image_size): the shorter side to ``resize``, then the centre."""
+        assert self.resize is not None and self.image_size is not None  # the constructor's check
+        mode = TF.InterpolationMode(self.interpolation)
+        q = x * 255
+        if torch.equal(q, q.round()):  # 8-bit pixels: PIL, one band at a time, as torchvision resizes PIL images
+            from PIL import Image
+
+            x = torch.stack([torch.stack([torch.from_numpy(np.array(
+                TF.resize(Image.fromarray(band.numpy()), [self.resize], interpolation=mode))) for band in image])
+                for image in q.to(torch.uint8).cpu()]).to(x.device, torch.float32) / 255
+        else:
+            x = TF.resize(x, [self.resize], interpolation=mode, antialias=True).clamp(0.0, 1.0)
+        return TF.center_crop(x, list(self.image_size))
+
+    def token_positions(self, grid: Sequence[int], device: torch.device | str | None = None) -> Tensor:
+        """Positions (n (+ 1), 2) int64 of an image's tokens on a (gh, gw) grid: (row, col), CLS at (0, 0)
+        ("grid"), or (i, i) for the i-th token, CLS first ("sequence")."""
+        if self.positions == "sequence":
+            index = torch.arange(int(grid[0]) * int(grid[1]) + int(self.cls), device=device)
+            return torch.stack([index, index], dim=-1)
+        pos = grid_positions(int(grid[0]), int(grid[1]), device=device)
         if self.cls:  # CLS at (0, 0); patches keep their grid coordinates
             pos = torch.cat([torch.zeros(1, 2, dtype=torch.int64, device=pos.device), pos])
         return pos
@@ -498,7 +560,7 @@ class ImageTokenizer(Tokenizer):
         return Segment(
             modality=self.modality,
             tokens=tokens[0],
-            positions=self._positions(grid),
+            positions=self.token_positions(grid),
             role=self.role,
             meta={"grid": grid, "image_size": (int(x.shape[-2]), int(x.shape[-1])), "content_size": content},
         )
@@ -507,7 +569,7 @@ class ImageTokenizer(Tokenizer):
         """Uniform batch fast path, on the images' device: (B, C, H, W) with C in (1, 3, 4), any dtype.
 
         Returns tokens (B, n, token_dim) float32, positions (n, 2) int64 shared by every image, and
-        the grid; each row equals ``encode`` of that image.
+        the grid; each row equals ``encode`` of that image (policy "crop" resamples 8-bit images by PIL, on the CPU).
         """
         if not isinstance(images, Tensor) or images.dim() != 4 or images.shape[1] not in (1, 3, 4):
             shape = tuple(images.shape) if isinstance(images, Tensor) else type(images).__name__
@@ -516,7 +578,7 @@ class ImageTokenizer(Tokenizer):
             )
         _check_hw(images.shape, key)
         tokens, grid, _ = self._tokens(_to_unit(images.detach(), key), key)
-        return tokens, self._positions(grid, device=images.device), grid
+        return tokens, self.token_positions(grid, device=images.device), grid
 
     def patchify(self, images: Tensor) -> Tensor:
         """(B, C, H, W) -> (B, n, p*p*C) with this tokenizer's patch size (no scaling or normalisation)."""
