@@ -3,12 +3,15 @@
 ImageClassifier = image tokenizer's patch embedder -> Trunk (bidirectional) -> pooled head. It takes
 uniform batches (B, C, H, W) on the fast path (normalise + patchify inside the model, compile
 friendly) and tokenizer Segments of any image size on the prediction path; both give the same numbers.
+``adapt_classifier`` makes an export (or a converted peer checkpoint, omni.interop) the start of a
+fine-tuning run on another image size or class count.
 """
 
 from __future__ import annotations
 
 import math
 import os
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -17,26 +20,35 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from omni.export import load_pretrained, load_tokenizers
-from omni.heads import ClassificationHead
+from omni.heads import HEAD_NORM_EPS, ClassificationHead, Pool
 from omni.segment import Sample, Segment
 from omni.tokenizers.base import check_regular_file
-from omni.tokenizers.image import ImageTokenizer, grid_positions, patchify
+from omni.tokenizers.image import ImageTokenizer, patchify
 from omni.trunk import Trunk, TrunkConfig
+
+
+BUILDER = "omni.vision:build_image_classifier"
+POSITION_TABLE = "trunk.absolute.table.weight"  # the learned 1-D position table (trunk positions "learned_1d")
 
 
 class ImageClassifier(nn.Module):
     """Patch embedder -> bidirectional Trunk -> ClassificationHead. With a CLS tokenizer the tokens carry
     its CLS row and flag column on every path; pool="mean" then averages the CLS token with the patches,
-    as ClassificationHead does on packed batches."""
+    as ClassificationHead does on packed batches. ``norm_eps``: the head's LayerNorm (None: none)."""
 
-    def __init__(self, image: ImageTokenizer, trunk: TrunkConfig, n_classes: int, pool: str = "mean") -> None:
+    def __init__(self, image: ImageTokenizer, trunk: TrunkConfig, n_classes: int, pool: Pool = "mean",
+                 norm_eps: float | None = HEAD_NORM_EPS) -> None:
         super().__init__()
+        if trunk.positions == "learned_1d" and image.positions != "sequence":
+            raise ValueError("trunk positions 'learned_1d' index one table by token order: the image tokenizer "
+                             f"needs positions='sequence', not {image.positions!r}")
+        self.tokenizer = image  # its token layout (positions), read on the fast path
         self.patch_size, self.channels, self.cls = image.patch_size, image.channels, image.cls
         self.register_buffer("mean", torch.tensor(image.mean).view(1, -1, 1, 1), persistent=False)
         self.register_buffer("std", torch.tensor(image.std).view(1, -1, 1, 1), persistent=False)
         self.embed = image.embedder(trunk.d_model)
         self.trunk = Trunk(trunk)
-        self.head = ClassificationHead(trunk.d_model, n_classes, pool=pool)
+        self.head = ClassificationHead(trunk.d_model, n_classes, pool=pool, norm_eps=norm_eps)
 
     def forward(self, images: Tensor) -> Tensor:
         """Uniform batch (B, C, H, W), uint8 or float in [0, 1], H and W multiples of the patch -> logits."""
@@ -48,12 +60,11 @@ class ImageClassifier(nn.Module):
         x = images.float() / 255.0 if images.dtype == torch.uint8 else images.float()
         x = (x - self.mean) / self.std
         tokens = patchify(x, self.patch_size)  # (B, n, p*p*C)
-        gh, gw = images.shape[-2] // self.patch_size, images.shape[-1] // self.patch_size
-        positions = grid_positions(gh, gw, device=images.device)  # (n, 2)
-        if self.cls:  # ImageTokenizer's layout: first a zero row flagged 1.0 at (0, 0), patches flagged 0.0
+        grid = images.shape[-2] // self.patch_size, images.shape[-1] // self.patch_size
+        positions = self.tokenizer.token_positions(grid, device=images.device)  # (n (+ 1), 2)
+        if self.cls:  # ImageTokenizer's layout: first a zero row flagged 1.0, patches flagged 0.0
             flag = F.pad(tokens.new_zeros(*tokens.shape[:2], 1), (0, 0, 1, 0), value=1.0)  # (B, 1 + n, 1)
             tokens = torch.cat([F.pad(tokens, (0, 0, 1, 0)), flag], dim=-1)  # (B, 1 + n, p*p*C + 1)
-            positions = F.pad(positions, (0, 0, 1, 0))  # (1 + n, 2)
         return self.token_features(tokens, positions.expand(images.shape[0], -1, -1))
 
     def token_features(self, tokens: Tensor, positions: Tensor) -> Tensor:
@@ -68,11 +79,64 @@ class ImageClassifier(nn.Module):
         """Hidden states (B, n, d), each row one image -> logits (B, classes)."""
         return self.head(features)
 
+    def export_config(self, class_names: Sequence[str] | None = None) -> dict[str, Any]:
+        """config.json for its export (``save_pretrained(model, dir, config, tokenizers={"image": tokenizer})``)."""
+        names = {"class_names": list(class_names)} if class_names else {}
+        return {"builder": BUILDER, "trunk": self.trunk.cfg.to_dict(), "head": self.head.spec(), **names}
+
+
+def head_options(config: dict[str, Any]) -> dict[str, Any]:
+    """ImageClassifier's head arguments (n_classes, pool, norm_eps) from its export config: the head's spec, or
+    in exports written before it, "n_classes" and "pool"."""
+    spec = dict(config.get("head") or {"type": "classification", "n_classes": config["n_classes"],
+                                        "pool": config.get("pool", "mean")})
+    if spec.pop("type", None) != ClassificationHead.kind:
+        raise ValueError(f"an image classifier's head is a classification head, not {config['head']!r}")
+    return spec
+
 
 def build_image_classifier(config: dict[str, Any], tokenizers: dict[str, Any]) -> ImageClassifier:
     """Export builder (config.json "builder": "omni.vision:build_image_classifier")."""
-    return ImageClassifier(tokenizers["image"], TrunkConfig(**config["trunk"]), config["n_classes"],
-                           pool=config.get("pool", "mean"))
+    return ImageClassifier(tokenizers["image"], TrunkConfig(**config["trunk"]), **head_options(config))
+
+
+def resample_position_table(table: Tensor, old_grid: Sequence[int], new_grid: Sequence[int], prefix: int) -> Tensor:
+    """A learned (prefix + gh * gw, d) position table for another (gh', gw') patch grid: the patch rows resampled
+    on the grid (bicubic, antialiased), the prefix (CLS) rows kept, as timm's ``resample_abs_pos_embed``."""
+    if tuple(old_grid) == tuple(new_grid):
+        return table
+    d = table.shape[-1]
+    grid = table[prefix:].float().reshape(1, *old_grid, d).permute(0, 3, 1, 2)  # (1, d, gh, gw)
+    grid = F.interpolate(grid, size=tuple(new_grid), mode="bicubic", antialias=True)  # (1, d, gh', gw')
+    return torch.cat([table[:prefix], grid.permute(0, 2, 3, 1).reshape(-1, d).to(table.dtype)])
+
+
+def adapt_classifier(config: dict[str, Any], state_dict: dict[str, Tensor], image: ImageTokenizer,
+                     image_size: int | None = None, n_classes: int | None = None) -> ImageClassifier:
+    """An image classifier export (config, state dict, tokenizer: ``omni.interop.read_model`` reads an export or
+    a peer checkpoint) as the start of a fine-tuning run on ``image_size`` images with ``n_classes`` classes.
+    A new size resamples the learned 1-D position table (``resample_position_table``; the tokenizer keeps its
+    crop_pct); a new class count gets a new head (zero, as any new one)."""
+    trunk, head, state = TrunkConfig(**config["trunk"]), head_options(config), dict(state_dict)
+    if image_size is not None and image.image_size != (image_size, image_size):
+        if image.image_size is None:
+            raise ValueError("the tokenizer has no fixed image_size to resample positions from")
+        old_grid = image.grid_size(*image.image_size)
+        image = ImageTokenizer(**{**image.config(), "image_size": image_size})
+        if trunk.positions == "learned_1d":
+            state[POSITION_TABLE] = resample_position_table(state[POSITION_TABLE], old_grid,
+                                                            image.grid_size(image_size, image_size), int(image.cls))
+            trunk = replace(trunk, max_positions=state[POSITION_TABLE].shape[0])
+    new_head = n_classes is not None and n_classes != head["n_classes"]
+    if new_head:
+        head["n_classes"] = n_classes
+        state = {k: v for k, v in state.items() if not k.startswith("head.proj.")}
+    model = ImageClassifier(image, trunk, **head)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if unexpected or set(missing) != ({"head.proj.weight", "head.proj.bias"} if new_head else set()):
+        raise ValueError(f"the state dict does not fit the image classifier: missing {sorted(missing)}, "
+                         f"unexpected {sorted(unexpected)}")
+    return model
 
 
 # ----------------------------------------------------------------------------------------------------
