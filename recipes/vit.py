@@ -5,9 +5,15 @@
     python recipes/vit.py --preset B/16 --data shards/imagenet --set epochs=90
     python recipes/vit.py --preset B/16 --data ... --set "trunk_overrides={'bias': False}"   # PaLM-style, 6% faster
     accelerate launch --num_processes 8 recipes/vit.py --preset B/16 --data ...
+    python recipes/vit.py --preset B/16 --data ... --set init=timm/vit-b16     # fine-tune a converted timm ViT
 
 --data takes a dataset directory written by `omni data fashion-mnist` or `omni data images`
 (webdataset shards + manifest.json with class names). --set key=value overrides any config entry.
+
+--set init=PATH starts from a model: an omni export, or a timm checkpoint (a hub directory, or a state dict
+file with --set init_arch=NAME; omni.interop). Its architecture (trunk, patch, pool, channels, normalisation)
+replaces this config's; the image size and the classes are this run's: another size resamples its position
+table, another class count gets a new head.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ from omni.data.shards import read_manifest
 from omni.tokenizers.image import ImageTokenizer
 from omni.train import Trainer, process_state, unwrap
 from omni.trunk import preset
-from omni.vision import BatchAugment, ImageClassifier, mixup_cutmix
+from omni.vision import BUILDER, BatchAugment, ImageClassifier, adapt_classifier, mixup_cutmix
 
 # ---------------------------------------------------------------------------------------------------
 # Config. Every entry can be overridden with --set key=value.
@@ -51,6 +57,8 @@ COMMON = dict(
     compile=False, eval_every_epochs=Key(1.0, check=at_least(0), help="0: evaluate at the end only"),
     checkpoint_every_epochs=Key(1.0, check=at_least(0), help="0: no checkpoints"), seed=0, progress=True,
     limit_train=None, limit_eval=None, max_corrupt_fraction=0.01, resume="auto",
+    init=Key(None, (str, None), help="start from this model: an omni export or a timm checkpoint (module docstring)"),
+    init_arch=Key(None, (str, None), help="the timm architecture of a state dict file given as init"),
 )
 PRESETS: dict[str, dict] = {
     # CPU smoke test: a few steps of a tiny trunk on a slice of the data.
@@ -173,18 +181,30 @@ def build_data(cfg: dict, rank: int, world: int, device: torch.device):
 def main(argv=None) -> dict:
     cfg = parse_args(argv)
     state = process_state()
+    source = None
+    if cfg["init"]:  # the model to start from decides the channels the data is decoded to
+        from omni.interop import read_model
+
+        source = read_model(cfg["init"], arch=cfg["init_arch"])
+        if source[0].get("builder") != BUILDER:
+            raise ValueError(f"init {cfg['init']} is not an image classifier (builder {source[0].get('builder')!r})")
+        cfg["channels"] = source[2]["image"].channels
     train_data, eval_data, class_names = build_data(cfg, state.process_index, state.num_processes, state.device)
     n_classes = len(class_names)
     steps_per_epoch = len(train_data)
     steps = cfg["steps"] or math.ceil(cfg["epochs"] * steps_per_epoch)
     every = lambda epochs: max(1, round(epochs * steps_per_epoch)) if epochs else 0  # noqa: E731
 
-    image = ImageTokenizer(patch_size=cfg["patch"], channels=cfg["channels"],
-                           image_size=cfg["image_size"], policy="resize")
-    trunk = preset(cfg["trunk"], positions=cfg["positions"], max_positions=cfg["image_size"] // cfg["patch"],
-                   **cfg["trunk_overrides"])
     torch.manual_seed(cfg["seed"])
-    model = ImageClassifier(image, trunk, n_classes, pool=cfg["pool"])
+    if source is not None:
+        model = adapt_classifier(*source[:2], source[2]["image"], image_size=cfg["image_size"], n_classes=n_classes)
+        image = model.tokenizer
+    else:
+        image = ImageTokenizer(patch_size=cfg["patch"], channels=cfg["channels"],
+                               image_size=cfg["image_size"], policy="resize")
+        trunk = preset(cfg["trunk"], positions=cfg["positions"], max_positions=cfg["image_size"] // cfg["patch"],
+                       **cfg["trunk_overrides"])
+        model = ImageClassifier(image, trunk, n_classes, pool=cfg["pool"])
     augment = BatchAugment(pad=cfg["pad"], flip=cfg["flip"], erase_prob=cfg["erase_prob"])
 
     def loss_fn(model, batch):
@@ -204,8 +224,9 @@ def main(argv=None) -> dict:
     config = train_config(cfg, steps=steps, warmup_steps=every(cfg["warmup_epochs"]),
                           eval_every=every(cfg["eval_every_epochs"]),
                           checkpoint_every=every(cfg["checkpoint_every_epochs"]), run_name=f"vit-{cfg['preset']}")
-    export = {"builder": "omni.vision:build_image_classifier", "trunk": trunk.to_dict(), "n_classes": n_classes,
-              "pool": cfg["pool"], "class_names": list(class_names)}
+    export = model.export_config(class_names)
+    if source is not None and "source" in source[0]:  # where the weights came from: omni convert --to reads it
+        export["source"] = source[0]["source"]
     trainer = Trainer(model, loss_fn, train_data, config, eval_data=eval_data, eval_fn=eval_fn,
                       hparams=cfg, export_config=export, export_tokenizers={"image": image})
     if state.is_main_process:
