@@ -203,6 +203,21 @@ def _transcribe(args: argparse.Namespace) -> int:
         text=str, entry=lambda text: {"text": text})
 
 
+def _convert(args: argparse.Namespace) -> int:
+    """omni convert SRC OUT (a peer checkpoint -> an export) or --to PEER EXPORT OUT; prints OUT."""
+    from omni.interop import ConversionError, convert, to_peer
+
+    try:
+        if args.to:
+            out = to_peer(args.src, args.out, args.to, arch=args.arch)
+        else:
+            out = convert(args.src, args.out, args.peer, arch=args.arch)
+    except (ConversionError, ImportError, *_export_errors()) as exc:  # ImportError: the peer library is missing
+        raise UsageError(_one_line(exc)) from exc
+    print(out)
+    return 0
+
+
 def _list_tokenizers(args: argparse.Namespace) -> int:
     from omni.tokenizers import available_tokenizers, get_tokenizer
 
@@ -244,6 +259,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=_positive_int, default=224, help="most tokens per 30 s window")
     p.add_argument("files", nargs="+", help="audio files (WAV, FLAC, MP3, OGG ...): any sample rate, channels, length")
     p.set_defaults(func=_transcribe)
+    from omni.interop import CONVERTERS
+
+    p = sub.add_parser("convert", help="a peer library's checkpoint (timm ViT) -> an omni export, or back with --to",
+                       description="omni convert SRC OUT: SRC a peer checkpoint (a timm hub directory: config.json "
+                       "+ model.safetensors or pytorch_model.bin; or a state dict file with --arch), OUT a new "
+                       "omni export that `omni predict` and load_pretrained read. omni convert --to PEER EXPORT OUT: "
+                       "the export in the peer's format (timm: config.json + model.safetensors).")
+    p.add_argument("src", help="the checkpoint (or with --to, the omni export) to convert")
+    p.add_argument("out", help="the directory to write (must not exist, or be empty)")
+    direction = p.add_mutually_exclusive_group()
+    direction.add_argument("--from", dest="peer", choices=sorted(CONVERTERS),
+                           help="the library SRC comes from (default: recognised from SRC)")
+    direction.add_argument("--to", choices=sorted(CONVERTERS),
+                           help="write the omni export SRC in this library's format")
+    p.add_argument("--arch", help="timm architecture (e.g. vit_base_patch16_224): of a bare state dict SRC; with "
+                                  "--to timm, instead of the one the export was converted from")
+    p.set_defaults(func=_convert)
     from omni.data.cli import add_data_commands, add_tokenizer_commands
 
     add_data_commands(sub)
