@@ -211,7 +211,8 @@ def _convert(args: argparse.Namespace) -> int:
         if args.to:
             out = to_peer(args.src, args.out, args.to, arch=args.arch)
         else:
-            out = convert(args.src, args.out, args.peer, arch=args.arch)
+            out = convert(args.src, args.out, args.peer, arch=args.arch, context=args.context,
+                          rtg_scale=args.rtg_scale)
     except (ConversionError, ImportError, *_export_errors()) as exc:  # ImportError: the peer library is missing
         raise UsageError(_one_line(exc)) from exc
     print(out)
@@ -261,11 +262,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_transcribe)
     from omni.interop import CONVERTERS
 
-    p = sub.add_parser("convert", help="a peer library's checkpoint (timm ViT) -> an omni export, or back with --to",
+    p = sub.add_parser("convert", help="a peer library's checkpoint (timm ViT, Hugging Face Decision Transformer) "
+                       "-> an omni export, or back with --to",
                        description="omni convert SRC OUT: SRC a peer checkpoint (a timm hub directory: config.json "
-                       "+ model.safetensors or pytorch_model.bin; or a state dict file with --arch), OUT a new "
-                       "omni export that `omni predict` and load_pretrained read. omni convert --to PEER EXPORT OUT: "
-                       "the export in the peer's format (timm: config.json + model.safetensors).")
+                       "+ model.safetensors or pytorch_model.bin; or a state dict file with --arch; a Hugging Face "
+                       "directory whose config.json says model_type decision_transformer), OUT a new omni export "
+                       "that `omni predict`, DT rollouts and load_pretrained read. omni convert --to PEER EXPORT "
+                       "OUT: the export in the peer's format (config.json + model.safetensors).")
     p.add_argument("src", help="the checkpoint (or with --to, the omni export) to convert")
     p.add_argument("out", help="the directory to write (must not exist, or be empty)")
     direction = p.add_mutually_exclusive_group()
@@ -275,6 +278,10 @@ def build_parser() -> argparse.ArgumentParser:
                            help="write the omni export SRC in this library's format")
     p.add_argument("--arch", help="timm architecture (e.g. vit_base_patch16_224): of a bare state dict SRC; with "
                                   "--to timm, instead of the one the export was converted from")
+    p.add_argument("--context", type=_positive_int, help="Decision Transformer: timesteps per window (default: "
+                                                         "config.json's 'context', else 20)")
+    p.add_argument("--rtg-scale", type=number(float, at_least=1e-12), help="Decision Transformer: returns-to-go are "
+                   "divided by this (default: config.json's 'rtg_scale', else 1000)")
     p.set_defaults(func=_convert)
     from omni.data.cli import add_data_commands, add_tokenizer_commands
 

@@ -265,3 +265,24 @@ def test_refused_and_default_layouts():
     plain = build_decision_transformer({"trunk": preset("tiny").to_dict()}, {"trajectory": tok})
     assert plain.carried is None and not any(k.startswith("carried") for k in plain.state_dict())
     json.dumps(from_hf(hf.state_dict(), hf.config.to_dict())[0])  # the export config is JSON
+
+
+def test_omni_convert_command_both_ways(tmp_path, capsys):
+    """`omni convert HF_DIR OUT` recognises the Decision Transformer by its model_type; `--to hf` writes it back
+    for from_pretrained; an option it does not take, or a target that exists, is one line and status 2."""
+    from omni.cli import main as omni
+
+    hf = hf_model("gelu_new")
+    hf.save_pretrained(tmp_path / "hf")
+    assert omni(["convert", str(tmp_path / "hf"), str(tmp_path / "omni"), "--rtg-scale", "3600"]) == 0
+    assert load_tokenizers(tmp_path / "omni")["trajectory"].rtg_scale == 3600.0
+    assert omni(["convert", "--to", "hf", str(tmp_path / "omni"), str(tmp_path / "back")]) == 0
+    back = DecisionTransformerModel.from_pretrained(tmp_path / "back").eval()
+    for name, t in hf.state_dict().items():
+        assert torch.equal(back.state_dict()[name], t), name
+    capsys.readouterr()
+    for argv in (["convert", str(tmp_path / "hf"), str(tmp_path / "x"), "--arch", "vit_base_patch16_224"],
+                 ["convert", str(tmp_path / "hf"), str(tmp_path / "omni")]):
+        assert omni(argv) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("omni convert: error: ") and err.count("\n") == 1, err

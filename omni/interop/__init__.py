@@ -179,7 +179,7 @@ def find_converter(src: str | os.PathLike, **options: Any) -> Converter:
     if not Path(src).exists():
         raise ConversionError(f"{src} does not exist")
     raise ConversionError(f"{src}: not a checkpoint any converter recognises ({', '.join(CONVERTERS)}); "
-                          "name its library with --from, or its timm architecture with --arch")
+                          "name its library with --from (timm, hf), or its timm architecture with --arch")
 
 
 def read_model(src: str | os.PathLike, peer: str | None = None, **options: Any) -> Export:
@@ -205,7 +205,9 @@ def to_peer(export: str | os.PathLike, out: str | os.PathLike, peer: str, **opti
     return get_converter(peer).write(Path(export), fresh_output(out), **_options(options))
 
 
-from omni.interop import timm as _timm  # noqa: E402  (registers itself; imports timm only when used)
+# the converters register themselves; neither imports its peer library unless it is used
+from omni.interop import hf_decision_transformer as _hf_dt  # noqa: E402
+from omni.interop import timm as _timm  # noqa: E402
 
 __all__ = ["CONVERTERS", "ConversionError", "Converter", "Export", "check_tensors", "convert", "find_converter",
            "fresh_output", "get_converter", "is_export", "names", "read_directory", "read_export", "read_model",

@@ -49,7 +49,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from omni.export import load_config, load_pretrained, load_tokenizers, save_pretrained, write_json
+from omni.export import CONFIG_NAME, load_config, load_pretrained, load_tokenizers, save_pretrained, write_json
+from omni.interop import ConversionError, Converter, read_directory, register_converter
 from omni.rl import DecisionTransformer, action_bounds, build_decision_transformer
 from omni.tokenizers.trajectory import TrajectoryTokenizer
 from omni.trunk import TrunkConfig
@@ -193,29 +194,11 @@ def to_hf(source: str | os.PathLike | DecisionTransformer, config: Mapping[str, 
     return hf_config, sd
 
 
-def read_hf_directory(directory: str | os.PathLike) -> tuple[dict[str, Tensor], dict[str, Any]]:
-    """(state dict, config dict) of a HF model directory: config.json + model.safetensors or pytorch_model.bin
-    (read with torch.load(weights_only=True))."""
-    directory = Path(directory)
-    path = directory / "config.json"
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} not found: not a Hugging Face model directory")
-    config = json.loads(path.read_text())
-    if (directory / "model.safetensors").is_file():
-        from safetensors.torch import load_file
-
-        return load_file(str(directory / "model.safetensors")), config
-    if (directory / "pytorch_model.bin").is_file():
-        return torch.load(directory / "pytorch_model.bin", map_location="cpu", weights_only=True), config
-    raise FileNotFoundError(f"{directory} has neither model.safetensors nor pytorch_model.bin (sharded "
-                            "checkpoints are not read)")
-
-
 def convert_directory(src_dir: str | os.PathLike, out_dir: str | os.PathLike, **tokenizer_args: Any) -> Path:
     """A HF DecisionTransformerModel directory -> an omni export at ``out_dir`` (``omni.export.load_pretrained``
     loads it; ``omni.rl.rollout`` / ``evaluate`` run it with its tokenizer). ``tokenizer_args``: context,
     rtg_scale, state_mean, state_std (``from_hf``)."""
-    state_dict, hf_config = read_hf_directory(src_dir)
+    state_dict, hf_config = read_directory(src_dir)
     config, sd, tokenizers = from_hf(state_dict, hf_config, **tokenizer_args)
     model = build_decision_transformer(config, tokenizers)
     model.load_state_dict(sd, strict=True)
@@ -235,5 +218,43 @@ def write_hf_directory(export_dir: str | os.PathLike, out_dir: str | os.PathLike
     return out
 
 
-__all__ = ["convert_directory", "from_hf", "read_hf_directory", "to_hf", "trajectory_tokenizer", "trunk_config",
-           "write_hf_directory"]
+# ----------------------------------------------------------------------------------------------------
+# `omni convert` (peer name "hf"): a HF directory whose config.json says model_type "decision_transformer"
+
+TOKENIZER_OPTIONS = ("context", "rtg_scale", "state_mean", "state_std")
+
+
+def recognises(src: Path, options: Mapping[str, Any]) -> bool:
+    try:
+        return json.loads((src / CONFIG_NAME).read_text()).get("model_type") == MODEL_TYPE
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def _hf_options(options: Mapping[str, Any]) -> dict[str, Any]:
+    unknown = sorted(set(options) - set(TOKENIZER_OPTIONS))
+    if unknown:
+        raise ConversionError(f"{', '.join(unknown)}: not an option of Hugging Face Decision Transformer checkpoints "
+                              f"(those are {', '.join(TOKENIZER_OPTIONS)})")
+    return dict(options)
+
+
+def read_hf(src: Path, **options: Any) -> tuple[dict[str, Any], dict[str, Tensor], dict[str, Any]]:
+    try:
+        return from_hf(*read_directory(src), **_hf_options(options))
+    except ValueError as exc:  # from_hf's refusals (action_tanh=False, ...) as the one conversion error
+        raise ConversionError(f"{src}: {exc}") from exc
+
+
+def write_hf(export: Path, out: Path, **options: Any) -> Path:
+    _hf_options(options)
+    try:
+        return write_hf_directory(export, out)
+    except ValueError as exc:  # to_hf's refusals (not a DT, RoPE, other action bounds ...)
+        raise ConversionError(f"{export}: {exc}") from exc
+
+
+register_converter(Converter("hf", recognises, read_hf, write_hf))
+
+__all__ = ["convert_directory", "from_hf", "read_hf", "recognises", "to_hf", "trajectory_tokenizer", "trunk_config",
+           "write_hf", "write_hf_directory"]
