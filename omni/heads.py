@@ -13,7 +13,8 @@ from it (the export's "omni" builder and ``Task.make_heads`` both build through 
     classification  n_classes, pool ("mean" | "cls"), norm_eps (the head LayerNorm's eps; None: no head norm;
                     recorded only when not the default 1e-5)
     lm              vocab_size, tie_to (optional: the modality whose embedding table the head shares)
-    action          n_outputs, discrete
+    action          n_outputs, discrete, squash (continuous: "tanh" or None, a plain Linear; recorded only
+                    when not the default "tanh")
 
 ``register_head("name")`` adds a type: a ``Head`` subclass whose ``__init__`` takes ``(d_model, **options)``.
 
@@ -194,22 +195,26 @@ class LMHead(Head):
 
 @register_head("action")
 class ActionHead(Head):
-    """Discrete action logits (n_outputs = number of actions) or continuous actions (tanh-squashed to [-1, 1])."""
+    """Discrete action logits (n_outputs = number of actions) or continuous actions: tanh-squashed to [-1, 1]
+    (``squash="tanh"``, the default) or the Linear's output as it is (``squash=None``)."""
 
-    def __init__(self, d_model: int, n_outputs: int, discrete: bool) -> None:
+    def __init__(self, d_model: int, n_outputs: int, discrete: bool, squash: Literal["tanh"] | None = "tanh") -> None:
         super().__init__()
-        self.discrete = discrete
+        if squash not in ("tanh", None):
+            raise ValueError(f"squash must be 'tanh' or None, got {squash!r}")
+        self.discrete, self.squash = discrete, squash
         self.proj = nn.Linear(d_model, n_outputs)
         nn.init.normal_(self.proj.weight, std=0.02)
         nn.init.zeros_(self.proj.bias)
 
     def options(self) -> dict[str, Any]:
-        return {"n_outputs": self.proj.out_features, "discrete": self.discrete}
+        squash = {} if self.squash == "tanh" else {"squash": self.squash}  # older specs stay as they were
+        return {"n_outputs": self.proj.out_features, "discrete": self.discrete, **squash}
 
     def forward(self, hidden: Tensor) -> Tensor:
         """hidden (..., d) -> (..., n_outputs)."""
         out = self.proj(hidden)
-        return out if self.discrete else torch.tanh(out)
+        return out if self.discrete or self.squash is None else torch.tanh(out)
 
 
 def masked_action_loss(pred: Tensor, targets: Tensor, weight: Tensor,

@@ -11,8 +11,8 @@
 Model. trajectory tokens (omni.tokenizers.trajectory) -> embedder -> causal Trunk -> ActionHead read
 at every state token (a_t is predicted from s_t). ``use_returns=False`` is the behaviour-cloning
 baseline: the same trunk fed (s_t, a_t) pairs only, the return-to-go rows dropped. Filtered BC is BC on
-the top 10% of episodes by return (``top_episodes``). Continuous actions: tanh head rescaled to the
-action bounds, MSE loss; discrete: logits, cross-entropy.
+the top 10% of episodes by return (``top_episodes``). Continuous actions: tanh head (or, with
+``action_squash=None``, a plain Linear) rescaled to the action bounds, MSE loss; discrete: logits, cross-entropy.
 
 Training windows. An episode's steps are encoded once (``encode_episodes``) into a (steps, 3, F) tensor;
 a training sample is a window of ``context`` consecutive steps, gathered on the device per batch
@@ -331,7 +331,8 @@ def action_bounds(tok: TrajectoryTokenizer) -> tuple[Tensor, Tensor]:
 
 
 def rescale_actions(out: Tensor, center: Tensor, scale: Tensor) -> Tensor:
-    """The tanh action head's output (..., A) in [-1, 1] -> actions in the bounds ``action_bounds`` describes."""
+    """The continuous action head's output (..., A), [-1, 1] for the tanh head -> actions in the bounds
+    ``action_bounds`` describes (center + scale * out)."""
     return center + scale * out
 
 
@@ -360,10 +361,12 @@ class DecisionTransformer(nn.Module):
     actions in rollouts; hiding actions makes it read the state. 0 (default) is the official DT.
     carried: tensors of a converted checkpoint the model does not read (``CarriedTensors``), kept in its
     state dict; None (default) adds nothing.
+    action_squash: the continuous ActionHead's ``squash``: "tanh" (default) or None (unbounded outputs).
     """
 
     def __init__(self, tokenizer: TrajectoryTokenizer, trunk: TrunkConfig, *, use_returns: bool = True,
-                 action_dropout: float = 0.0, carried: CarriedTensors | None = None) -> None:
+                 action_dropout: float = 0.0, carried: CarriedTensors | None = None,
+                 action_squash: Literal["tanh"] | None = "tanh") -> None:
         super().__init__()
         if not 0.0 <= action_dropout < 1.0:
             raise ValueError(f"action_dropout must be in [0, 1), got {action_dropout}")
@@ -376,7 +379,7 @@ class DecisionTransformer(nn.Module):
         self.trunk_config = trunk
         self.embed = tokenizer.embedder(trunk.d_model)
         self.trunk = Trunk(trunk)
-        self.head = ActionHead(trunk.d_model, tokenizer.n_action_outputs, tokenizer.discrete)
+        self.head = ActionHead(trunk.d_model, tokenizer.n_action_outputs, tokenizer.discrete, squash=action_squash)
         if not tokenizer.discrete:
             center, scale = action_bounds(tokenizer)
             self.register_buffer("action_center", center)
@@ -409,10 +412,12 @@ class DecisionTransformer(nn.Module):
 
 def build_decision_transformer(config: dict[str, Any], tokenizers: dict[str, Any]) -> DecisionTransformer:
     """Export builder (config.json "builder": "omni.rl:build_decision_transformer"); ``config["carried"]``
-    ({name: shape}, optional) rebuilds the ``CarriedTensors`` of a converted checkpoint."""
+    ({name: shape}, optional) rebuilds the ``CarriedTensors`` of a converted checkpoint, ``config["action_squash"]``
+    (optional, default "tanh") the head's squash."""
     carried = CarriedTensors(config["carried"]) if config.get("carried") else None
     return DecisionTransformer(tokenizers["trajectory"], TrunkConfig(**config["trunk"]),
-                               use_returns=config.get("use_returns", True), carried=carried)
+                               use_returns=config.get("use_returns", True), carried=carried,
+                               action_squash=config.get("action_squash", "tanh"))
 
 
 def action_loss(model: nn.Module, tok: TrajectoryTokenizer, tokens: Tensor, targets: Tensor) -> tuple[Tensor, dict[str, Tensor]]:

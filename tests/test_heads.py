@@ -88,6 +88,22 @@ def test_each_head_gives_the_spec_it_is_rebuilt_from(spec):
         assert head.proj.weight is model.embedders["text"].token.weight
 
 
+def test_action_head_squash_in_its_spec():
+    """The default (tanh) spec is as it always was; squash=None is recorded and rebuilds a plain Linear."""
+    tanh = ActionHead(8, 2, discrete=False)
+    assert tanh.spec() == {"type": "action", "n_outputs": 2, "discrete": False}
+    plain = build_head({"type": "action", "n_outputs": 2, "discrete": False, "squash": None}, 8)
+    assert plain.squash is None and plain.spec() == {"type": "action", "n_outputs": 2, "discrete": False,
+                                                     "squash": None}
+    assert build_head(plain.spec(), 8).spec() == plain.spec()
+    x = randn(5, 8) * 100
+    with torch.no_grad():
+        torch.testing.assert_close(plain(x), plain.proj(x), rtol=0, atol=0)
+        assert plain(x).abs().max() > 1
+    with pytest.raises(ValueError, match="head 'a': squash must be 'tanh' or None"):
+        build_head({"type": "action", "n_outputs": 2, "discrete": False, "squash": "sigmoid"}, 8, name="a")
+
+
 def test_spec_defaults_and_errors():
     assert build_head({"type": "classification", "n_classes": 3}, 8).spec()["pool"] == "mean"
     with pytest.raises(ValueError, match="head 'x' has type 'conv'; expected one of classification, lm, action"):

@@ -127,6 +127,7 @@ def test_hf_to_omni_to_hf_is_bit_exact():
     model, tok, config = converted(hf)
     assert config["trunk"]["mlp_ratio"] == 2.0 and config["trunk"]["norm_eps"] == 1e-6
     assert config["trunk"]["dropout"] == 0.05 and sorted(config["carried"]) == sorted(CARRIED)
+    assert "action_squash" not in config  # tanh: the export config is as it always was
     hf_config, sd = to_hf(model, config, tok)
     assert sd.keys() == source.keys()
     for name, t in source.items():
@@ -134,6 +135,30 @@ def test_hf_to_omni_to_hf_is_bit_exact():
     for key, value in hf.config.to_dict().items():
         if key not in ("architectures", "transformers_version"):
             assert hf_config[key] == value, key
+
+
+def test_action_tanh_false_converts_and_round_trips():
+    """HF's head without tanh (predict_action a plain Linear) is the ActionHead with squash=None: HF's actions,
+    unbounded, and HF -> omni -> HF gives every tensor and the config back."""
+    hf = hf_model("relu", action_tanh=False)
+    model, tok, config = converted(hf)
+    assert config["action_squash"] is None and model.head.spec()["squash"] is None
+    w = random_windows(4, K)
+    want = hf_actions(hf, w)
+    with torch.no_grad():
+        got = torch.cat([model(omni_tokens(tok, w, b))[:, 1::3] for b in range(4)])
+    assert want.abs().max() > 1  # not squashed
+    torch.testing.assert_close(got, want, **TOL)
+    hf_config, sd = to_hf(model, config, tok)
+    assert hf_config["action_tanh"] is False and sd.keys() == hf.state_dict().keys()
+    for name, t in hf.state_dict().items():
+        assert sd[name].dtype == t.dtype and torch.equal(sd[name], t), name
+    for key, value in hf.config.to_dict().items():
+        if key not in ("architectures", "transformers_version"):
+            assert hf_config[key] == value, key
+    back = DecisionTransformerModel(DecisionTransformerConfig(**hf_config)).eval()
+    back.load_state_dict(sd, strict=True)
+    assert torch.equal(hf_actions(back, w), want)
 
 
 def test_directories_round_trip(tmp_path):
@@ -251,7 +276,7 @@ def test_fine_tuning_starts_from_hfs_loss_and_hands_back(tmp_path):
 
 def test_refused_and_default_layouts():
     hf = hf_model("relu")
-    for bad, match in [({"action_tanh": False}, "action_tanh"), ({"activation_function": "silu"}, "silu"),
+    for bad, match in [({"scale_attn_weights": False}, "scale_attn_weights"), ({"activation_function": "silu"}, "silu"),
                        ({"scale_attn_by_inverse_layer_idx": True}, "inverse_layer"),
                        ({"model_type": "gpt2"}, "model_type")]:
         with pytest.raises(ValueError, match=match):

@@ -16,8 +16,12 @@ no transformers import is needed to convert it:
     encoder.h.i.ln_2, mlp.c_fc, mlp.c_proj                              attn.out, mlp_norm, mlp.up, mlp.down
                                                 (Conv1D weights are (in, out): transposed)
     encoder.ln_f                                final LayerNorm         trunk.norm
-    predict_action (Linear + Tanh)              read at state tokens    head.proj (tanh; the tokenizer's action
-                                                                        bounds [-1, 1] make the rescaling exact)
+    predict_action (Linear + Tanh; Linear       read at state tokens    head.proj; action_tanh=False is head
+    alone with action_tanh=False)                                       squash=None (config "action_squash": None).
+                                                                        HF never rescales: the tokenizer's bounds
+                                                                        are [-1, 1], so omni's rescaling is the
+                                                                        identity (to_hf refuses other bounds);
+                                                                        decode clips env actions to them
     encoder.wte, encoder.wpe, predict_state, predict_return             carried (CarriedTensors): never read on
                                                                         the action path, handed back as they are
                                                                         (wpe row 0 from the type embedding)
@@ -25,9 +29,8 @@ no transformers import is needed to convert it:
 The trunk: positions "none", activation relu / gelu_new (= "gelu_tanh") / gelu, norm_eps =
 layer_norm_epsilon, mlp_ratio = n_inner / hidden_size, dropout = resid_pdrop (GPT-2's residual dropout, the
 same place). HF's embedding (embd_pdrop) and attention-probability (attn_pdrop) dropout have no omni
-counterpart: training differs by those, inference is the same. Not expressible, so refused: action_tanh=False
-(omni's continuous ActionHead always squashes), scale_attn_by_inverse_layer_idx, scale_attn_weights=False,
-add_cross_attention.
+counterpart: training differs by those, inference is the same. Not expressible, so refused:
+scale_attn_by_inverse_layer_idx, scale_attn_weights=False, add_cross_attention.
 
 What the HF model leaves to its caller goes into the tokenizer: states are normalised by the caller (HF's
 get_action example: (s - state_mean) / state_std) and returns-to-go divided by a scale (1000 for the MuJoCo
@@ -84,7 +87,7 @@ def tensor_names(n_layers: int) -> list[tuple[str, str, bool]]:
 
 def trunk_config(hf: Mapping[str, Any]) -> TrunkConfig:
     """The TrunkConfig of a HF DecisionTransformerConfig (dict); ValueError for what omni cannot express."""
-    refused = {"action_tanh": False, "scale_attn_by_inverse_layer_idx": True, "scale_attn_weights": False,
+    refused = {"scale_attn_by_inverse_layer_idx": True, "scale_attn_weights": False,
                "add_cross_attention": True}
     for key, bad in refused.items():
         if hf.get(key, not bad) == bad:
@@ -103,7 +106,7 @@ def trunk_config(hf: Mapping[str, Any]) -> TrunkConfig:
 
 
 def trajectory_tokenizer(hf: Mapping[str, Any], **overrides: Any) -> TrajectoryTokenizer:
-    """The TrajectoryTokenizer of a HF config: continuous actions in [-1, 1] (the tanh head), timesteps below
+    """The TrajectoryTokenizer of a HF config: continuous actions in [-1, 1] (no rescaling), timesteps below
     max_ep_len; state_mean / state_std / rtg_scale / context from ``overrides``, else the config, else
     identity normalisation, 1000 and 20."""
     given = {k: overrides[k] if overrides.get(k) is not None else hf.get(k) for k in TOKENIZER_KEYS}
@@ -139,6 +142,7 @@ def from_hf(state_dict: Mapping[str, Tensor], hf_config: Mapping[str, Any], *, c
     out.update({f"carried.{name.replace('.', '/')}": sd[name].detach().clone() for name in CARRIED})
     config = {"builder": "omni.rl:build_decision_transformer", "trunk": trunk.to_dict(), "use_returns": True,
               "carried": {name: list(sd[name].shape) for name in CARRIED},
+              **({} if hf_config.get("action_tanh", True) else {"action_squash": None}),
               "source": {"format": SOURCE_FORMAT, "config": dict(hf_config)}}
     return config, out, {"trajectory": tok}
 
@@ -164,7 +168,7 @@ def to_hf(source: str | os.PathLike | DecisionTransformer, config: Mapping[str, 
                          f"n_heads, no cross attention and activation in {sorted(HF_ACTIVATIONS)}; got {cfg}")
     if not (torch.equal(model.action_center, torch.zeros_like(model.action_center))
             and torch.equal(model.action_scale, torch.ones_like(model.action_scale))):
-        raise ValueError("HF's tanh action head has no rescaling: the tokenizer's action bounds must be [-1, 1]")
+        raise ValueError("HF's action head has no rescaling: the tokenizer's action bounds must be [-1, 1]")
     own = model.state_dict()
     d = cfg.d_model
     sd = {hf: own[omni].t() if conv else own[omni] for omni, hf, conv in tensor_names(cfg.n_layers)}
@@ -181,7 +185,7 @@ def to_hf(source: str | os.PathLike | DecisionTransformer, config: Mapping[str, 
     inner = model.trunk.blocks[0].mlp.up.out_features
     hf_config = {**source_cfg, "model_type": MODEL_TYPE, "architectures": ["DecisionTransformerModel"],
                  "state_dim": model.embed.state_dim, "act_dim": model.embed.action_cols, "hidden_size": d,
-                 "max_ep_len": model.embed.max_timestep, "action_tanh": True,
+                 "max_ep_len": model.embed.max_timestep, "action_tanh": model.head.squash == "tanh",
                  "n_positions": sd["encoder.wpe.weight"].shape[0], "n_layer": cfg.n_layers, "n_head": cfg.n_heads,
                  "n_inner": None if inner == 4 * d else inner, "layer_norm_epsilon": cfg.norm_eps,
                  "activation_function": act if ACTIVATIONS.get(act) == cfg.activation
@@ -242,7 +246,7 @@ def _hf_options(options: Mapping[str, Any]) -> dict[str, Any]:
 def read_hf(src: Path, **options: Any) -> tuple[dict[str, Any], dict[str, Tensor], dict[str, Any]]:
     try:
         return from_hf(*read_directory(src), **_hf_options(options))
-    except ValueError as exc:  # from_hf's refusals (action_tanh=False, ...) as the one conversion error
+    except ValueError as exc:  # from_hf's refusals (scale_attn_weights=False, ...) as the one conversion error
         raise ConversionError(f"{src}: {exc}") from exc
 
 
