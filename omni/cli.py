@@ -8,12 +8,13 @@ kind of export), or no input file could be read.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import sys
 import warnings
 from pathlib import Path
-from typing import Any, Callable, NoReturn, Sequence
+from typing import Any, Callable, Iterator, NoReturn, Sequence
 
 # Builders of the recipes' exports: what they make and which command reads it.
 _KNOWN_BUILDERS = {
@@ -290,10 +291,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def plain_warnings(prog: str) -> None:
-    """Warnings as one line ``<prog>: warning: <message>``: Python's default format adds the source file and
-    the line of code that warned, which a command-line user has no use for."""
+@contextlib.contextmanager
+def plain_warnings(prog: str) -> Iterator[None]:
+    """While entered, warnings print as one line ``<prog>: warning: <message>``: Python's default format adds the
+    source file and the line of code that warned, which a command-line user has no use for. The previous
+    format comes back on exit (``main`` may be called in-process)."""
+    previous = warnings.formatwarning
     warnings.formatwarning = lambda message, *_, **__: f"{prog}: warning: {message}\n"
+    try:
+        yield
+    finally:
+        warnings.formatwarning = previous
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -302,9 +310,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # --help, --version and usage errors end in argparse: hand back their status
         return int(exc.code or 0)
-    plain_warnings(f"omni {args.command}")
     try:
-        return int(args.func(args) or 0)
+        with plain_warnings(f"omni {args.command}"):
+            return int(args.func(args) or 0)
     except UsageError as exc:
         print(f"omni {args.command}: error: {exc}", file=sys.stderr)
         return 2

@@ -429,10 +429,9 @@ def run_recipe(main: Callable[[], Any]) -> NoReturn:
     from omni.deps import install_hint
     from omni.train import TrainingInterrupted
 
-    plain_warnings(recipe_prog())
-
     try:
-        result = main()
+        with plain_warnings(recipe_prog()):
+            result = main()
     except TrainingInterrupted as exc:  # Ctrl-C / SIGTERM in training: the step's checkpoint is saved
         print(f"{recipe_prog()}: {exc}", file=sys.stderr, flush=True)
         sys.exit(128 + exc.signum)

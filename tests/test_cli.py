@@ -333,12 +333,13 @@ def test_damaged_export_is_one_line_naming_the_file(vit, damage, tmp_path, capsy
     assert line.startswith("omni predict: error: ") and str(target) in line
 
 
-def test_warnings_are_one_line_naming_the_command(monkeypatch) -> None:
+def test_warnings_are_one_line_naming_the_command() -> None:
     import warnings
 
     from omni.cli import plain_warnings
 
-    monkeypatch.setattr(warnings, "formatwarning", warnings.formatwarning)  # restored after the test
-    plain_warnings("omni data images")
-    assert warnings.formatwarning("x.jpg: skipped", UserWarning, "/src/omni/data/cli.py", 94) == \
-        "omni data images: warning: x.jpg: skipped\n"
+    before = warnings.formatwarning
+    with plain_warnings("omni data images"):
+        assert warnings.formatwarning("x.jpg: skipped", UserWarning, "/src/omni/data/cli.py", 94) == \
+            "omni data images: warning: x.jpg: skipped\n"
+    assert warnings.formatwarning is before  # in-process callers keep their own format
