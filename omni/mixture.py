@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from omni.data.memory import EpochCursor
+from omni.data.reader import leave_sigint_to_the_parent
 from omni.packing import BLOCK_SIZE, PackedBatch, Packer
 from omni.segment import Sample
 
@@ -179,7 +180,7 @@ class MixtureLoader(EpochCursor):
         todo = range(self.batches_done, self.batches_per_epoch)
         if self.num_workers > 0:
             it: Any = torch.utils.data.DataLoader(self, batch_size=None, sampler=list(todo), num_workers=self.num_workers,
-                                                  persistent_workers=False)
+                                                  persistent_workers=False, worker_init_fn=leave_sigint_to_the_parent)
         else:
             it = (self.batch(self.epoch, i) for i in todo)
         for b in it:

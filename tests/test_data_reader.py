@@ -501,3 +501,16 @@ def test_variable_length_samples_go_through_the_packer(shards):
     assert sorted(keys) == sorted(ALL_KEYS)
     assert sum(b.num_tokens for b in batches) == sum(5 + (s * 31 + i) % 10 for s, c in enumerate(COUNTS)
                                                      for i in range(c))
+
+
+def decode_sigint_handler(sample: dict) -> bool:
+    import signal
+
+    return signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+
+
+def test_workers_leave_ctrl_c_to_the_training_process(shards):
+    """A Ctrl-C reaches the whole process group; workers must not die of it while the training process
+    finishes its step and checkpoints (omni.train stops on the first SIGINT after the step)."""
+    loader = make(shards, decode=decode_sigint_handler, num_workers=2)
+    assert all(all(batch) for batch in epoch_batches(loader))

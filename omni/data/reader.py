@@ -44,6 +44,7 @@ import logging
 import math
 import os
 import re
+import signal
 import warnings
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -579,6 +580,14 @@ def _filler(plan: _Plan, reader: _Reader, after: int) -> tuple[Any, str]:
     )
 
 
+def leave_sigint_to_the_parent(worker_id: int) -> None:
+    """Data workers ignore SIGINT. A Ctrl-C in a terminal reaches every process of the foreground group, and a
+    worker that takes it exits (torch's worker loop swallows the KeyboardInterrupt), so the training process,
+    finishing its step before it checkpoints and stops (omni.train), would find its loader dead. Workers still
+    end with their parent."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def _identity(x: Any) -> Any:
     return x
 
@@ -800,6 +809,7 @@ class ShardLoader:
         loader = DataLoader(
             dataset, batch_size=None, num_workers=self.num_workers, collate_fn=_identity,
             prefetch_factor=self.prefetch_factor, multiprocessing_context=self.multiprocessing_context,
+            worker_init_fn=leave_sigint_to_the_parent,
         )
         return iter(loader)
 
