@@ -137,7 +137,8 @@ def _export_errors() -> tuple[type[BaseException], ...]:
     return OSError, ValueError, KeyError, SafetensorError
 
 
-def _one_line(exc: BaseException) -> str:
+def one_line(exc: BaseException) -> str:
+    """An exception's message on one line (whitespace folded), for `omni ...: error: <it>`."""
     text = exc.args[0] if isinstance(exc, KeyError) and exc.args else str(exc)  # str(KeyError) adds quotes
     return " ".join(str(text).split()) or type(exc).__name__
 
@@ -158,7 +159,7 @@ def _run_on_files(args: argparse.Namespace, files: Sequence[str], run: Callable[
         _check_export(args.command, checkpoint)
         results = run(checkpoint)
     except Exception as exc:
-        message = _one_line(exc)
+        message = one_line(exc)
         named = str(args.checkpoint) in message  # e.g. load_pretrained's RuntimeError: weights that do not fit
         if not (named or isinstance(exc, _export_errors())):
             raise  # a bug: its traceback
@@ -167,7 +168,7 @@ def _run_on_files(args: argparse.Namespace, files: Sequence[str], run: Callable[
     for f, result in zip(files, results):
         if isinstance(result, Exception):
             bad += 1
-            reason = _one_line(result).removeprefix(f"{f}: ")  # library messages start with the file
+            reason = one_line(result).removeprefix(f"{f}: ")  # library messages start with the file
             print(f"{prog}: {f}: {reason}", file=sys.stderr)
             rows.append({"file": f, "error": reason})
         else:
@@ -215,7 +216,7 @@ def _convert(args: argparse.Namespace) -> int:
             out = convert(args.src, args.out, args.peer, arch=args.arch, context=args.context,
                           rtg_scale=args.rtg_scale)
     except (ConversionError, ImportError, *_export_errors()) as exc:  # ImportError: the peer library is missing
-        raise UsageError(_one_line(exc)) from exc
+        raise UsageError(one_line(exc)) from exc
     print(out)
     return 0
 

@@ -29,7 +29,6 @@ into the export directory, or says what the path is and where its export lives.
 from __future__ import annotations
 
 import errno
-import hashlib
 import importlib
 import json
 import os
@@ -40,6 +39,8 @@ from typing import Any, Callable, Mapping
 
 import torch
 from torch import nn
+
+from omni.files import fsync_dir, sha256_file
 
 FORMAT_VERSION = 1
 CONFIG_NAME = "config.json"
@@ -285,15 +286,10 @@ def write_json(path: Path, payload: Any) -> None:
         raise
 
 
-def file_sha256(path: Path) -> str:
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
-
-
 def write_checksums(directory: Path) -> None:
     """Record the size and sha256 of every file below ``directory`` in ``directory/checksums.json``
     (atomically). Call it once every other file is written: files added later are not covered."""
-    files = {p.relative_to(directory).as_posix(): {"bytes": p.stat().st_size, "sha256": file_sha256(p)}
+    files = {p.relative_to(directory).as_posix(): {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
              for p in sorted(directory.rglob("*")) if p.is_file() and p != directory / CHECKSUMS_NAME}
     write_json(directory / CHECKSUMS_NAME, {"algorithm": "sha256", "files": files})
 
@@ -324,7 +320,7 @@ def _file_problem(path: Path, size: int, sha256: str) -> str | None:
         actual = path.stat().st_size
         if actual != size:
             return f"{path} has {actual} bytes where {size} were written (truncated or overwritten)"
-        if file_sha256(path) != sha256:
+        if sha256_file(path) != sha256:
             return f"{path} differs from the sha256 recorded when it was written (corrupted)"
     except OSError as exc:
         return f"{path} is unreadable ({exc})"
@@ -343,15 +339,6 @@ def is_disk_full(exc: BaseException) -> bool:
             return True
         seen = seen.__cause__ or seen.__context__
     return False
-
-
-def fsync_dir(directory: Path) -> None:
-    """Flush a directory entry (renames and new files inside it) to disk."""
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def fsync_tree(directory: Path) -> None:

@@ -13,7 +13,7 @@ import errno
 import sys
 from typing import Any, Callable
 
-from omni.cli import number
+from omni.cli import number, one_line
 from omni.data.shards import DatasetError
 from omni.lock import LockedError
 
@@ -61,20 +61,20 @@ def _runner(command: str, build: Callable[[argparse.Namespace], Any]) -> Callabl
         try:
             build(args)
         except (ValueError, OSError, EOFError, ImportError, DatasetError, LockedError) as exc:
-            print(f"omni {command}: error: {_one_line(exc, getattr(args, 'out', None))}", file=sys.stderr)
+            print(f"omni {command}: error: {_error_line(exc, getattr(args, 'out', None))}", file=sys.stderr)
             return 2
         return 0
 
     return run
 
 
-def _one_line(exc: BaseException, out: str | None) -> str:
+def _error_line(exc: BaseException, out: str | None) -> str:
     """The error for a user: the disk-full case says so and where; every message on one line."""
     if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
         where = exc.filename or out or "the output folder"
         return (f"the disk is full: no space left writing {where}; free space there or build elsewhere "
                 "(a build needs room for the old and the new dataset until it completes)")
-    return " ".join(str(exc).split()) or type(exc).__name__
+    return one_line(exc)
 
 
 def _common_kwargs(a: argparse.Namespace) -> dict[str, Any]:

@@ -35,6 +35,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 import numpy as np
 
+from omni.files import fsync_dir, sha256_file
 from omni.lock import DirectoryLock
 
 FORMAT_VERSION = 1
@@ -125,14 +126,6 @@ def _check_shard(file: Path, shard: Mapping[str, Any], check_sha256: bool) -> No
         )
     if check_sha256 and sha256_file(file) != shard["sha256"]:
         raise DatasetError(f"shard {file} does not match the sha256 in the manifest; rebuild the dataset")
-
-
-def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
 
 
 # -- writing -----------------------------------------------------------------------------------------
@@ -477,7 +470,7 @@ class Build:
             if p.is_file() and p.name not in new and _is_build_file(p.name, old):
                 p.unlink()
         os.replace(self.staging / MANIFEST_NAME, self.manifest_path)
-        _fsync_dir(self.out)
+        fsync_dir(self.out)
         shutil.rmtree(self.staging, ignore_errors=True)
 
     def abort(self) -> None:
@@ -498,20 +491,6 @@ def _summary(manifest: Mapping[str, Any]) -> str:
         f"{name}: {s['count']} samples in {len(s['shards'])} shard(s)" for name, s in manifest["splits"].items()
     ]
     return "; ".join(parts) or "no splits"
-
-
-def _fsync_dir(path: Path) -> None:
-    """Make the renames in ``path`` durable (where the platform can open a directory)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def write_json_atomic(path: Path, obj: Any) -> None:
