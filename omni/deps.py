@@ -17,6 +17,11 @@ OPTIONAL: dict[str, tuple[str, str]] = {
     "mujoco": ("mujoco", "rl"),  # the MuJoCo envs (Hopper-v5 ...)
     "imageio": ("imageio", "rl"),
     "espeakng_loader": ("espeakng-loader", "speech"),  # eSpeak NG for the synthetic speech
+    "timm": ("timm", "interop"),
+    "transformers": ("transformers", "interop"),
+    "whisper": ("openai-whisper", "interop"),  # its checkpoints, and the Whisper/GPT-2 vocabularies it ships
+    "tiktoken": ("tiktoken", "interop"),
+    "matplotlib": ("matplotlib", "viz"),
 }
 
 

@@ -83,6 +83,9 @@ def default_asset_path() -> Path:
     return Path(__file__).resolve().parents[2] / "tokenizers" / DEFAULT_ASSET / TOKENIZER_FILE
 
 
+DEFAULT_ROLES = {"pad": "<|pad|>", "bos": "<|bos|>", "eos": "<|eos|>"}
+
+
 def _special_name(name: str) -> str:
     """Accept ``"eos"`` as well as ``"<|eos|>"``."""
     return name if name.startswith("<|") else f"<|{name}|>"
@@ -102,6 +105,10 @@ class TextTokenizer(Tokenizer):
             ``"error"`` raises ValueError naming the sample key; ``"truncate"`` keeps the first
             ``max_length`` tokens (eos is then cut too: the text did not end there) and warns
             naming the key.
+        specials: which special token plays each role ``pad`` / ``bos`` / ``eos`` (default
+            ``<|pad|>``, ``<|bos|>``, ``<|eos|>``); external vocabularies name theirs, e.g. GPT-2's
+            ``<|endoftext|>`` for all three (omni.tokenizers.ranks). Every special (added) token of the
+            vocabulary is a special id, whatever its name.
     """
 
     modality = "text"
@@ -114,6 +121,7 @@ class TextTokenizer(Tokenizer):
         add_bos: bool = True,
         add_eos: bool = True,
         truncation: str = "error",
+        specials: dict[str, str] | None = None,
     ) -> None:
         if truncation not in TRUNCATION_POLICIES:
             raise ValueError(f"truncation must be one of {TRUNCATION_POLICIES}, got {truncation!r}")
@@ -124,6 +132,10 @@ class TextTokenizer(Tokenizer):
         self.add_bos = bool(add_bos)
         self.add_eos = bool(add_eos)
         self.truncation = truncation
+        roles = dict(DEFAULT_ROLES, **(specials or {}))
+        if set(roles) != set(DEFAULT_ROLES) or not all(isinstance(v, str) and v for v in roles.values()):
+            raise ValueError(f"specials maps the roles {sorted(DEFAULT_ROLES)} to token strings, got {specials!r}")
+        self.specials = roles
         self._tok: Any = None  # tokenizers.Tokenizer, loaded on first use
         self._special_ids: dict[str, int] = {}
         self._special_id_set: frozenset[int] = frozenset()
@@ -136,7 +148,16 @@ class TextTokenizer(Tokenizer):
             "add_bos": self.add_bos,
             "add_eos": self.add_eos,
             "truncation": self.truncation,
+            **({"specials": self.specials} if self.specials != DEFAULT_ROLES else {}),
         }
+
+    @classmethod
+    def from_hf(cls, tok: Any, *, source: str = "memory", **kwargs: Any) -> "TextTokenizer":
+        """A TextTokenizer over an in-memory ``tokenizers.Tokenizer`` (``kwargs``: the constructor's);
+        ``save`` writes it as tokenizer.json."""
+        self = cls(**kwargs)
+        self._set(tok, source=source)
+        return self
 
     @property
     def hf(self) -> Any:
@@ -157,13 +178,13 @@ class TextTokenizer(Tokenizer):
         # Not stored in tokenizer.json, so it must be switched on after every load: without it a
         # literal "<|eos|>" in the input would become the eos id and break the round trip.
         tok.encode_special_tokens = True
-        ids = {name: tok.token_to_id(name) for name in SPECIAL_TOKENS}
-        missing = [n for n in ("<|pad|>", "<|bos|>", "<|eos|>") if ids[n] is None]
+        ids = {t.content: i for i, t in sorted(tok.get_added_tokens_decoder().items()) if t.special}
+        missing = sorted({n for n in self.specials.values() if n not in ids})
         if missing:
             raise ValueError(f"tokenizer {source} lacks the special tokens {missing}")
         self._tok = tok
-        self._special_ids = {n: i for n, i in ids.items() if i is not None}
-        self._special_id_set = frozenset(self._special_ids.values())
+        self._special_ids = ids
+        self._special_id_set = frozenset(ids.values())
 
     def save_state(self, directory: Path) -> None:
         """Write the fitted vocabulary as ``directory/tokenizer.json``."""
@@ -208,7 +229,7 @@ class TextTokenizer(Tokenizer):
         """Id of a special token, named ``"eos"`` or ``"<|eos|>"``."""
         if self._tok is None:
             self.hf  # noqa: B018 - loads the vocabulary
-        full = _special_name(name)
+        full = self.specials.get(name) or _special_name(name)
         if full not in self._special_ids:
             raise KeyError(f"unknown special token {name!r}; available: {', '.join(self._special_ids)}")
         return self._special_ids[full]
