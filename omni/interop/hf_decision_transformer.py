@@ -53,7 +53,8 @@ import torch
 from torch import Tensor
 
 from omni.export import CONFIG_NAME, load_config, load_pretrained, load_tokenizers, save_pretrained, write_json
-from omni.interop import ConversionError, Converter, read_directory, register_converter
+from omni.interop import ConversionError, read_directory
+from omni.interop.hf import HFFamily, register_hf_family
 from omni.rl import DecisionTransformer, action_bounds, build_decision_transformer
 from omni.tokenizers.trajectory import TrajectoryTokenizer
 from omni.trunk import TrunkConfig
@@ -223,16 +224,9 @@ def write_hf_directory(export_dir: str | os.PathLike, out_dir: str | os.PathLike
 
 
 # ----------------------------------------------------------------------------------------------------
-# `omni convert` (peer name "hf"): a HF directory whose config.json says model_type "decision_transformer"
+# `omni convert --from hf`: a HF directory whose config.json says model_type "decision_transformer" (omni.interop.hf)
 
 TOKENIZER_OPTIONS = ("context", "rtg_scale", "state_mean", "state_std")
-
-
-def recognises(src: Path, options: Mapping[str, Any]) -> bool:
-    try:
-        return json.loads((src / CONFIG_NAME).read_text()).get("model_type") == MODEL_TYPE
-    except (OSError, ValueError, AttributeError):
-        return False
 
 
 def _hf_options(options: Mapping[str, Any]) -> dict[str, Any]:
@@ -258,7 +252,7 @@ def write_hf(export: Path, out: Path, **options: Any) -> Path:
         raise ConversionError(f"{export}: {exc}") from exc
 
 
-register_converter(Converter("hf", recognises, read_hf, write_hf))
+register_hf_family(HFFamily(MODEL_TYPE, read_hf, write_hf, builders=("omni.rl:build_decision_transformer",)))
 
-__all__ = ["convert_directory", "from_hf", "read_hf", "recognises", "to_hf", "trajectory_tokenizer", "trunk_config",
+__all__ = ["convert_directory", "from_hf", "read_hf", "to_hf", "trajectory_tokenizer", "trunk_config",
            "write_hf", "write_hf_directory"]

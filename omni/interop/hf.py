@@ -1,0 +1,79 @@
+"""``omni convert --from hf`` / ``--to hf``: Hugging Face directories, one family per ``model_type``.
+
+A Hugging Face checkpoint directory says what it is in config.json ``model_type``; each family module
+(hf_decision_transformer, whisper, gpt2, ...) registers an ``HFFamily`` for its model type, and this one
+converter named "hf" reads a directory with the family its config names, and writes an export back with the
+family whose export builders include the export's ``builder``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+from omni.export import CONFIG_NAME
+from omni.interop import ConversionError, Converter, Export, register_converter
+
+
+@dataclass(frozen=True)
+class HFFamily:
+    """``read(src_dir, **options) -> Export``; ``write(export_dir, out_dir, **options) -> out_dir``;
+    ``builders``: the export builders (config.json "builder") this family writes back."""
+
+    model_type: str
+    read: Callable[..., Export]
+    write: Callable[..., Path]
+    builders: tuple[str, ...]
+
+
+HF_FAMILIES: dict[str, HFFamily] = {}
+
+
+def register_hf_family(family: HFFamily) -> HFFamily:
+    if HF_FAMILIES.get(family.model_type, family) is not family:
+        raise ValueError(f"a Hugging Face family for model_type {family.model_type!r} is already registered")
+    HF_FAMILIES[family.model_type] = family
+    return family
+
+
+def model_type(src: Path) -> str | None:
+    """config.json ``model_type`` of a directory (None when it has none or is not a directory)."""
+    try:
+        value = json.loads((Path(src) / CONFIG_NAME).read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return value if isinstance(value, str) else None
+
+
+def _supported() -> str:
+    return ", ".join(sorted(HF_FAMILIES))
+
+
+def recognises(src: Path, options: Mapping[str, Any]) -> bool:
+    return model_type(src) in HF_FAMILIES
+
+
+def read_hf(src: Path, **options: Any) -> Export:
+    kind = model_type(src)
+    if kind is None:
+        raise ConversionError(f"{src / CONFIG_NAME}: no model_type; not a Hugging Face model directory")
+    if kind not in HF_FAMILIES:
+        raise ConversionError(f"{src}: Hugging Face model_type {kind!r} is not supported (supported: {_supported()})")
+    return HF_FAMILIES[kind].read(src, **options)
+
+
+def write_hf(export: Path, out: Path, **options: Any) -> Path:
+    try:
+        builder = json.loads((export / CONFIG_NAME).read_text()).get("builder")
+    except (OSError, ValueError, AttributeError) as exc:
+        raise ConversionError(f"{export / CONFIG_NAME}: cannot read the export's config: {exc}") from exc
+    for family in HF_FAMILIES.values():
+        if builder in family.builders:
+            return family.write(export, out, **options)
+    raise ConversionError(f"{export}: a {builder!r} model has no Hugging Face counterpart here "
+                          f"(supported model types: {_supported()})")
+
+
+register_converter(Converter("hf", recognises, read_hf, write_hf))
