@@ -270,7 +270,15 @@ def _compiled_flex():
     return _FLEX
 
 
+# omni.introspect.capture sets ``record`` on attention modules to a reference attention (explicit softmax) that
+# keeps the probabilities; None, the class default and the only value outside capture, is the fast path. A plain
+# attribute read: nothing extra runs, traces or compiles when not recording.
+Recorder = Callable[[Tensor, Tensor, Tensor, Mask], Tensor]  # (q, k, v, mask) -> (B, H, Tq, D), as attend
+
+
 class SelfAttention(nn.Module):
+    record: Recorder | None = None
+
     def __init__(self, cfg: TrunkConfig) -> None:
         super().__init__()
         self.n_heads, self.n_kv, self.head_dim = cfg.n_heads, cfg.kv_heads, cfg.head_dim
@@ -289,12 +297,14 @@ class SelfAttention(nn.Module):
             q, k = apply_rotary(q, rope), apply_rotary(k, rope)
         if cache is not None:  # write the new keys/values, attend over the whole static buffer
             k, v = cache.update(layer, k, v, slots)  # (B, G, max_length, D)
-        y = attend(q, k, v, mask)  # (B, H, T, D)
+        y = attend(q, k, v, mask) if self.record is None else self.record(q, k, v, mask)  # (B, H, T, D)
         return self.out(y.transpose(1, 2).reshape(B, T, -1))
 
 
 class CrossAttention(nn.Module):
     """Queries from the stream, keys/values from encoder memory (computed once per sequence when cached)."""
+
+    record: Recorder | None = None  # as SelfAttention's
 
     def __init__(self, cfg: TrunkConfig) -> None:
         super().__init__()
@@ -321,7 +331,7 @@ class CrossAttention(nn.Module):
             if cache is not None:
                 cache.cross[layer] = (k, v)
         mask = None if memory_mask is None else memory_mask[:, None, None, :]  # (B, 1, 1, S) keys kept
-        y = attend(q, k, v, mask)
+        y = attend(q, k, v, mask) if self.record is None else self.record(q, k, v, mask)  # (B, H, T, D)
         return self.out(y.transpose(1, 2).reshape(B, T, -1))
 
 
