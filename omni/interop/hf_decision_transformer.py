@@ -43,7 +43,6 @@ attention_mask) computes what omni computes on the unpadded window: no position 
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -52,7 +51,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from omni.export import CONFIG_NAME, load_config, load_pretrained, load_tokenizers, save_pretrained, write_json
+from omni.export import load_config, load_pretrained, load_tokenizers, save_pretrained, write_json
 from omni.interop import ConversionError, read_directory
 from omni.interop.hf import HFFamily, register_hf_family
 from omni.rl import DecisionTransformer, action_bounds, build_decision_transformer
