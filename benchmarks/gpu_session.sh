@@ -21,6 +21,8 @@
 #   pendulum-ad      follow-up: action dropout rates, a second seed, context 10, dt-large
 #   multimodal-small the joint 4-task run + the 4 single-task runs at equal steps, small preset (#5)
 #   finish    Whisper decode rows + the ViT under max-autotune
+#   interop   benchmarks/interop_speed.py: converted timm ViT-B/16 vs timm (+compile), bar >= 1.2x; converted
+#             Whisper-base fine-tuning step vs HF (+compile) on the same weights and batch, bar >= 1.5x (#18)
 # Python packages the device lacks (webdataset, soundfile, gymnasium, minari, espeakng-loader, ...) must be on
 # PYTHONPATH already (see the device tool's README: carried wheels installed with pip --target). The speech
 # builder reads the Austen novels of Debian's r-cran-janeaustenr: carry a copy of that folder as
@@ -74,6 +76,10 @@ dt)
 whisper)
     run python benchmarks/whisper_throughput.py --only train --out "$out/whisper_train.json"
     run python benchmarks/whisper_throughput.py --only decode --out "$out/whisper_decode.json"
+    ;;
+interop)
+    run python benchmarks/interop_speed.py vit
+    run python benchmarks/interop_speed.py whisper --dims base
     ;;
 packing)
     run python benchmarks/multimodal_packing.py --out "$out/multimodal_packing.json"
