@@ -11,6 +11,7 @@ per-document / per-segment views of a packed batch.
     rec.hidden_states["trunk"]                        # [embeddings, block 0 output, ..., block L-1 output]
 
     heat = image_attention(vit, images, method="rollout")          # (B, grid_h, grid_w), sums to 1
+    heat = image_attention(model, image_tokenizer.encode(img))     # any size; OmniModel/MultitaskModel too
     with capture(omni_model) as rec:
         omni_model(batch)
     t2i = segment_attention(rec.attention["trunk.blocks.1.attn"], batch, document=3, query="text", key="image")
@@ -23,8 +24,7 @@ record; it removes them (and its forward hooks on the blocks, for hidden states)
 Names. Attention is keyed by the attention module's name in the model: "<trunk>.blocks.<i>.attn" for
 self-attention, "<trunk>.blocks.<i>.cross" for cross-attention, where <trunk> is "trunk" (ImageClassifier,
 DecisionTransformer), "encoder" / "decoder" (SpeechRecognizer), "trunk" (OmniModel), "omni.trunk"
-(MultitaskModel); a bare Trunk gives "blocks.<i>.attn". Hidden states are keyed by the trunk's name ("trunk"
-for a bare Trunk): L + 1 tensors (B, T, d), the input of block 0 (embeddings, absolute positions added) and
+(MultitaskModel), "trunk" for a bare Trunk too. Hidden states are keyed by the trunk's name: L + 1 tensors (B, T, d), the input of block 0 (embeddings, absolute positions added) and
 each block's output (before the trunk's final norm: the trunk's output is what forward_features returns).
 
 Several calls in one ``capture`` (incremental decoding with a KV cache: one call per step) are concatenated
@@ -46,7 +46,8 @@ import torch
 from torch import Tensor, nn
 from torch.nn.attention.flex_attention import BlockMask, create_mask
 
-from omni.packing import PackedBatch
+from omni.packing import PackedBatch, Packer
+from omni.segment import Sample, Segment
 from omni.trunk import CrossAttention, Mask, SelfAttention, Trunk
 
 LayerFilter = Union[None, Iterable[str], Callable[[str], bool]]
@@ -139,7 +140,7 @@ class Record:
 
     def layers(self, kind: Literal["attn", "cross"] = "attn", trunk: str | None = None) -> list[Tensor]:
         """The attention maps of one kind ("attn" self, "cross") in layer order, optionally of one trunk
-        (its name: "trunk", "encoder", "decoder", "" for a bare Trunk) — the input of ``attention_rollout``."""
+        (its name: "trunk", "encoder", "decoder", ...) — the input of ``attention_rollout``."""
         names = [n for n in self.steps if n.rsplit(".", 1)[-1] == kind
                  and (trunk is None or _trunk_of(n) == trunk)]
         if trunk is None and len({_trunk_of(n) for n in names}) > 1:
@@ -149,8 +150,8 @@ class Record:
 
 
 def _trunk_of(name: str) -> str:
-    """'encoder.blocks.3.attn' -> 'encoder'; 'blocks.3.attn' -> ''."""
-    return name.rsplit(".", 3)[0] if name.count(".") >= 3 else ""
+    """'encoder.blocks.3.attn' -> 'encoder'."""
+    return name.rsplit(".", 3)[0]
 
 
 def _join(calls: list[Tensor], dim: int, name: str) -> Tensor:
@@ -182,9 +183,15 @@ def capture(model: nn.Module, attention: bool = True, hidden_states: bool = True
     device: where to keep what is recorded (e.g. "cpu" for long sequences on a GPU); default: where computed.
     Recorded tensors are detached. Everything ``capture`` set is removed when the block exits, also on error.
     """
-    modules = dict(model.named_modules())
+    inner = getattr(model, "_orig_mod", model)  # torch.compile's wrapper: name the model's own modules
+    prefix = "trunk." if isinstance(inner, Trunk) else ""  # a bare Trunk is named as the models name theirs
+    modules = {prefix + raw: m for raw, m in inner.named_modules()}
     rec = Record()
     keep = _selected(layers)
+    if layers is not None and not callable(layers):
+        known = {n for n, m in modules.items() if isinstance(m, (SelfAttention, CrossAttention))}
+        if set(layers) - known:
+            raise ValueError(f"no attention module named {sorted(set(layers) - known)}; the model has {sorted(known)}")
     store = (lambda t: t.detach()) if device is None else (lambda t: t.detach().to(device))
     patched: list[nn.Module] = []
     handles: list[torch.utils.hooks.RemovableHandle] = []
@@ -208,15 +215,14 @@ def capture(model: nn.Module, attention: bool = True, hidden_states: bool = True
         handles.extend(b.register_forward_hook(output) for b in trunk.blocks)
 
     try:
-        for raw, module in modules.items():
-            name = raw.replace("_orig_mod.", "")  # a torch.compile wrapper's inner module: the model's own names
+        for name, module in modules.items():
             if attention and isinstance(module, (SelfAttention, CrossAttention)) and keep(name):
                 if module.record is not None:
                     raise RuntimeError(f"{name} is already being recorded (nested capture of the same model)")
                 module.record = recorder(name)
                 patched.append(module)
             if hidden_states and isinstance(module, Trunk) and len(module.blocks):
-                block_hooks(name or "trunk", module)
+                block_hooks(name.rstrip("."), module)
         yield rec
     finally:
         for module in patched:
@@ -275,30 +281,52 @@ def patch_attention(attn: Tensor, grid: Sequence[int], prefix: int = 0,
     return patches.reshape(-1, gh, gw)
 
 
-def image_attention(model: nn.Module, images: Tensor, method: Literal["rollout", "last"] = "rollout",
-                    query: Literal["cls", "mean"] | None = None) -> Tensor:
-    """What an ImageClassifier looks at: (B, gh, gw) maps over its patch grid, each summing to 1.
+def image_attention(model: nn.Module, images: Tensor | Segment, method: Literal["rollout", "last"] = "rollout",
+                    query: Literal["cls", "mean"] | None = None, head: str | None = None) -> Tensor:
+    """What a model looks at in an image: (B, gh, gw) maps over the patch grid, each summing to 1.
 
-    images: (B, C, H, W) as ``model.forward`` takes them. method: "rollout" over every layer, or "last" (the
-    last layer's attention, heads averaged: only that layer takes the reference path). query: "cls" (CLS
-    token's row) or "mean" (all queries averaged); default: what the head pools ("cls" pooling reads the CLS
-    token, "mean" averages every token, CLS included)."""
+    model:  an ImageClassifier, with ``images`` (B, C, H, W) as its forward takes them or one image Segment
+            (``ImageTokenizer.encode``: any size, the prediction path); or an OmniModel / MultitaskModel with
+            an image Segment, packed alone as ``omni predict`` does (-> (1, gh, gw)).
+    method: "rollout" over every layer, or "last" (the last layer's attention, heads averaged: only that layer
+            takes the reference path).
+    query:  "cls" (the CLS token's row) or "mean" (every query averaged); default: what the head pools ("cls"
+            reads the CLS token, "mean" averages every token, CLS included). ``head`` names an OmniModel's
+            classification head to read that from (default "mean")."""
+    from omni.model import OmniModel
+    from omni.multitask import MultitaskModel
     from omni.vision import ImageClassifier
 
-    if not isinstance(model, ImageClassifier):
-        raise TypeError(f"image_attention takes an ImageClassifier, got {type(model).__name__}")
-    grid = images.shape[-2] // model.patch_size, images.shape[-1] // model.patch_size
+    model = model.omni if isinstance(model, MultitaskModel) else model
+    if not isinstance(model, (ImageClassifier, OmniModel)):
+        raise TypeError(f"image_attention takes an ImageClassifier or an OmniModel, got {type(model).__name__}")
+    if method not in ("rollout", "last"):
+        raise ValueError(f"method must be 'rollout' or 'last', got {method!r}")
+    device = next(model.parameters()).device
+    if isinstance(images, Segment):
+        grid, tokens, positions = images.meta["grid"], images.tokens[None].to(device), images.positions_2d[None].to(device)
+        prefix = tokens.shape[1] - grid[0] * grid[1]  # the CLS row, when the tokenizer adds one
+    elif isinstance(model, ImageClassifier):
+        grid, prefix = (images.shape[-2] // model.patch_size, images.shape[-1] // model.patch_size), int(model.cls)
+    else:
+        raise TypeError("an OmniModel's image attention takes one image Segment (ImageTokenizer.encode)")
     last = f"trunk.blocks.{len(model.trunk.blocks) - 1}.attn"
     with torch.no_grad(), capture(model, hidden_states=False, layers=None if method == "rollout" else [last]) as rec:
-        model.forward_features(images)
-    if method == "rollout":
-        attn = attention_rollout(rec.layers("attn"))
-    elif method == "last":
-        attn = rec.attention[last]
-    else:
-        raise ValueError(f"method must be 'rollout' or 'last', got {method!r}")
-    query = query or ("cls" if model.head.pool == "cls" else "mean")
-    return patch_attention(attn, grid, prefix=int(model.cls), query=query)
+        if isinstance(model, OmniModel):
+            batch = Packer()([Sample([images], key="image")]).to(device)
+            model.forward_features(batch)
+        elif isinstance(images, Segment):
+            model.token_features(tokens, positions)
+        else:
+            model.forward_features(images)
+    maps = rec.layers("attn", trunk="trunk")
+    if isinstance(model, OmniModel):  # the image's own block of the packed row (the rest is padding)
+        maps = [document_attention(a, batch, 0)[None] for a in maps]
+    attn = attention_rollout(maps) if method == "rollout" else maps[-1]
+    if query is None:
+        pooled = model.head if isinstance(model, ImageClassifier) else model.heads[head] if head else None
+        query = "cls" if getattr(pooled, "pool", "mean") == "cls" else "mean"
+    return patch_attention(attn, grid, prefix=prefix, query=query)
 
 
 # ----------------------------------------------------------------------------------------------------

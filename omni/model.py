@@ -8,7 +8,7 @@ second applied to the first:
     output = model.forward_head(features, *what)   # what forward returns
 
     ImageClassifier      forward_features(images (B, C, H, W)) -> (B, n, d)
-                         forward_head(features) -> logits (B, classes)
+                         forward_head(features) -> logits (B, classes); pre_logits=True: pooled (B, d)
     SpeechRecognizer     forward_features(audio (B, S, F), audio_mask (B, S), text (B, T)) -> decoder states (B, T, d)
                          forward_head(features) -> logits (B, T, vocab)
     DecisionTransformer  forward_features(tokens (B, T, F), cache=None) -> (B, T, d)

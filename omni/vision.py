@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from omni.export import load_pretrained, load_tokenizers
-from omni.heads import HEAD_NORM_EPS, ClassificationHead, Pool
+from omni.heads import HEAD_NORM_EPS, ClassificationHead, Pool, pool_segments
 from omni.segment import Sample, Segment
 from omni.tokenizers.base import check_regular_file
 from omni.tokenizers.image import ImageTokenizer, patchify
@@ -75,8 +75,11 @@ class ImageClassifier(nn.Module):
         """Tokens (B, n, F), positions (B, n, 2) -> logits (B, classes): images of any size (prediction)."""
         return self.forward_head(self.token_features(tokens, positions))
 
-    def forward_head(self, features: Tensor) -> Tensor:
-        """Hidden states (B, n, d), each row one image -> logits (B, classes)."""
+    def forward_head(self, features: Tensor, pre_logits: bool = False) -> Tensor:
+        """Hidden states (B, n, d), each row one image -> logits (B, classes); ``pre_logits=True``: the pooled,
+        normalised features (B, d) the classifier's Linear reads (timm's ``forward_head(x, pre_logits=True)``)."""
+        if pre_logits:
+            return self.head.norm(pool_segments(features, self.head.pool))
         return self.head(features)
 
     def export_config(self, class_names: Sequence[str] | None = None) -> dict[str, Any]:

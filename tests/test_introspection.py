@@ -133,7 +133,7 @@ def test_trunk_packed_capture_equals_fast_path(positions, mask):
         with capture(trunk) as rec:
             slow = trunk(x, batch.positions, m)
     torch.testing.assert_close(slow, fast, **MODEL_TOL)
-    assert sorted(rec.attention) == [f"blocks.{i}.attn" for i in range(3)]
+    assert sorted(rec.attention) == [f"trunk.blocks.{i}.attn" for i in range(3)]  # a bare Trunk is "trunk"
     dense = batch.attention_mask("dense")
     for probs in rec.attention.values():
         assert probs.shape == (1, 4, 128, 128)
@@ -162,11 +162,12 @@ def test_cross_attention_with_memory_mask():
         with capture(dec) as rec:
             slow = dec(x, mask="causal", memory=memory, memory_mask=memory_mask)
     torch.testing.assert_close(slow, fast, **MODEL_TOL)
-    assert sorted(rec.attention) == ["blocks.0.attn", "blocks.0.cross", "blocks.1.attn", "blocks.1.cross"]
-    cross = rec.attention["blocks.1.cross"]
+    assert sorted(rec.attention) == ["trunk.blocks.0.attn", "trunk.blocks.0.cross", "trunk.blocks.1.attn",
+                                     "trunk.blocks.1.cross"]
+    cross = rec.attention["trunk.blocks.1.cross"]
     assert cross.shape == (2, 4, 5, 9)
     check_distribution(cross, memory_mask[:, None, None, :])
-    check_distribution(rec.attention["blocks.1.attn"], torch.ones(5, 5, dtype=torch.bool).tril())
+    check_distribution(rec.attention["trunk.blocks.1.attn"], torch.ones(5, 5, dtype=torch.bool).tril())
     assert [a.shape for a in rec.layers("cross")] == [(2, 4, 5, 9)] * 2 and torch.equal(rec.layers("cross")[1], cross)
 
 
@@ -189,12 +190,13 @@ def test_kv_cache_incremental_decode_equals_full_recompute(slots):
                                 cache_position=torch.tensor(t) if slots else None))
     torch.testing.assert_close(torch.cat(outs, 1), ref, **MODEL_TOL)
     for i in range(2):
-        steps = inc.steps[f"blocks.{i}.attn"]
+        steps = inc.steps[f"trunk.blocks.{i}.attn"]
         assert [s.shape for s in steps] == [(2, 4, 3, 10)] + [(2, 4, 1, 10)] * 3  # keys: the whole static buffer
-        self_attn = inc.attention[f"blocks.{i}.attn"]  # (B, H, 6, max_length), steps appended along the queries
-        torch.testing.assert_close(self_attn[..., :6], full.attention[f"blocks.{i}.attn"], **TOL)
+        self_attn = inc.attention[f"trunk.blocks.{i}.attn"]  # (B, H, 6, max_length): steps appended along queries
+        torch.testing.assert_close(self_attn[..., :6], full.attention[f"trunk.blocks.{i}.attn"], **TOL)
         assert (self_attn[..., 6:] == 0).all()  # slots not written yet
-        torch.testing.assert_close(inc.attention[f"blocks.{i}.cross"], full.attention[f"blocks.{i}.cross"], **TOL)
+        torch.testing.assert_close(inc.attention[f"trunk.blocks.{i}.cross"], full.attention[f"trunk.blocks.{i}.cross"],
+                                   **TOL)
     for a, b in zip(inc.hidden_states["trunk"], full.hidden_states["trunk"]):
         assert_close_scaled(a, b)
 
@@ -229,6 +231,48 @@ def test_image_classifier_capture_and_maps():
         row = rollout[:, 0] if pool == "cls" else rollout.mean(1)
         want = row[:, int(cls):] / row[:, int(cls):].sum(-1, keepdim=True)
         torch.testing.assert_close(image_attention(model, images), want.view(2, 3, 4), **TOL)
+
+
+def test_image_attention_any_size_and_packed_models_agree():
+    """The prediction paths: an image Segment through ImageClassifier.token_features, and the same image packed
+    alone through an OmniModel / MultitaskModel holding the same weights, give the same maps."""
+    from omni.multitask import ClassifyTask, MultitaskModel
+
+    tok = ImageTokenizer(patch_size=4, channels=1, cls=True)
+    torch.manual_seed(0)
+    vit = noisy(ImageClassifier(tok, preset("tiny", positions="rope2d"), 3, pool="cls"))
+    image = torch.rand(1, 12, 20)
+    seg = tok.encode(image)
+    assert seg.meta["grid"] == (3, 5)
+    multi = MultitaskModel([ClassifyTask("image", tok, [image], [0], n_classes=3, pool="cls")],
+                           preset("tiny", positions="rope2d"))
+    multi.omni.embedders["image"].load_state_dict(vit.embed.state_dict())
+    multi.omni.trunk.load_state_dict(vit.trunk.state_dict())
+    for method in ("rollout", "last"):
+        want = image_attention(vit, image[None], method=method)  # the uniform-batch path
+        assert want.shape == (1, 3, 5)
+        torch.testing.assert_close(image_attention(vit, seg, method=method), want, **MODEL_TOL)
+        torch.testing.assert_close(image_attention(multi, seg, method=method, head="image"), want, **MODEL_TOL)
+        mean = image_attention(multi.omni, seg, method=method)  # no head named: the mean query
+        torch.testing.assert_close(mean, image_attention(vit, image[None], method=method, query="mean"), **MODEL_TOL)
+
+
+def test_forward_is_forward_head_of_forward_features():
+    tok = ImageTokenizer(patch_size=4, channels=1)
+    torch.manual_seed(0)
+    model = noisy(ImageClassifier(tok, preset("tiny"), 5))
+    images = torch.rand(2, 1, 8, 8)
+    with torch.no_grad():
+        features = model.forward_features(images)
+        assert torch.equal(model.forward_head(features), model(images))
+        pooled = model.forward_head(features, pre_logits=True)  # timm's pre_logits: what the Linear reads
+        assert pooled.shape == (2, 64)
+        torch.testing.assert_close(model.head.proj(pooled), model(images))
+    dt_tok = TrajectoryTokenizer(4, n_actions=2, context=4)
+    dt = noisy(DecisionTransformer(dt_tok, preset("dt", d_model=32, n_layers=1, n_heads=2)))
+    tokens = torch.randn(2, 6, dt_tok.feature_dim)
+    with torch.no_grad():
+        assert torch.equal(dt.forward_head(dt.forward_features(tokens)), dt(tokens))
 
 
 def test_speech_recognizer_encoder_decoder_and_cached_decoding():
@@ -314,6 +358,22 @@ def test_omni_and_multitask_model_packed_views():
     with pytest.raises(ValueError, match="no 'image' segment"):
         segment_attention(attn, batch, 1, "text", "image")
 
+    # a batch of several rows: each document's block == its attention packed alone
+    g = torch.Generator().manual_seed(1)
+    samples = {f"r{i}": Sample([image.encode(torch.rand(1, 8, 8, generator=g)), text.encode(words)], key=f"r{i}")
+               for i, words in enumerate(["a shirt", "a bag", "a dress", "a sandal"])}
+    rows = Packer(row_length=32, block_size=16)(list(samples.values()))
+    assert rows.shape[0] == 2 and len({span.row for span in packed_layout(rows)}) == 2  # 4 documents in 2 rows
+    with torch.no_grad(), capture(model, hidden_states=False) as rec_rows:
+        model(rows)
+    for d, span in enumerate(packed_layout(rows)):
+        alone = Packer(block_size=16)([samples[span.key]])
+        with torch.no_grad(), capture(model, hidden_states=False) as rec_alone:
+            model(alone)
+        for name, probs in rec_rows.attention.items():
+            torch.testing.assert_close(document_attention(probs, rows, d),
+                                       document_attention(rec_alone.attention[name], alone, 0), **TOL)
+
     tasks = [ClassifyTask("image", image, [torch.rand(1, 8, 8)], [0], n_classes=3),
              LMTask("text", text, ["a coat"])]
     multi = MultitaskModel(tasks, preset("tiny", positions="rope2d"))
@@ -321,6 +381,8 @@ def test_omni_and_multitask_model_packed_views():
         multi.forward_features(batch)
     assert sorted(rec.attention) == ["omni.trunk.blocks.0.attn", "omni.trunk.blocks.1.attn"]
     assert list(rec.hidden_states) == ["omni.trunk"]
+    with pytest.raises(ValueError, match="no attention module named"), capture(multi, layers=["trunk.blocks.0.attn"]):
+        pass
 
 
 # ----------------------------------------------------------------------------------------------------
