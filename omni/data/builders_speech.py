@@ -6,8 +6,11 @@ import hashlib
 import multiprocessing as mp
 import os
 import re
+import warnings
+from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -218,34 +221,106 @@ def build_speech_synth(
 _AUDIO_EXTS = (".flac", ".wav")
 
 
-def scan_librispeech(src: Path, default_split: str) -> dict[str, list[tuple[str, Path, str]]]:
-    """``(utterance id, audio file, transcript)`` per split from ``*.trans.txt`` files.
+@dataclass(frozen=True)
+class Skipped:
+    """An utterance (or audio file) left out of a LibriSpeech build, and why."""
+
+    path: str  # the audio file, or "<trans.txt>:<line>" for a transcript line
+    kind: str  # one of SKIP_KINDS: the manifest counts skips per kind
+    reason: str
+
+
+SKIP_KINDS = ("empty transcript", "audio not found", "repeated id", "no transcript", "unreadable audio")
+
+
+def scan_librispeech(
+    src: Path, default_split: str, rename: Mapping[str, str] | None = None
+) -> tuple[dict[str, list[tuple[str, Path, str]]], list[Skipped]]:
+    """``(utterance id, audio file, transcript)`` per split from ``*.trans.txt`` files, and what was left out.
 
     ``speaker/chapter/*.trans.txt`` directly under ``src`` is one split (``default_split``);
-    ``SUBSET/speaker/chapter/...`` (e.g. ``train-clean-100``, ``dev-clean``) gives one split per subset.
+    ``SUBSET/speaker/chapter/...`` (e.g. ``train-clean-100``, ``dev-clean``) gives one split per subset,
+    named as the subset unless ``rename`` maps it to another split (several subsets may share one).
+
+    Left out (each a ``Skipped``, the build warns one line per item): a transcript line without text, a line
+    whose audio file is missing, an utterance id already seen in the split (its sample key would repeat), and
+    an audio file that no transcript line names.
     """
     if not src.is_dir():
         raise FileNotFoundError(f"--src {src} is not a folder")
     trans = sorted(src.rglob("*.trans.txt"))
     if not trans:
         raise ValueError(f"{src}: no *.trans.txt files (expected LibriSpeech layout speaker/chapter/*.trans.txt)")
+    rename = dict(rename or {})
     splits: dict[str, list[tuple[str, Path, str]]] = {}
+    skipped: list[Skipped] = []
+    named: set[Path] = set()  # every audio file some transcript line names
+    keys: dict[str, set[str]] = {}
+    subsets: set[str] = set()
     for t in trans:
         parts = t.relative_to(src).parts
-        split = default_split if len(parts) < 4 else re.sub(r"[^A-Za-z0-9_-]", "_", parts[-4])
+        subset = parts[-4] if len(parts) >= 4 else None
+        if subset is not None:
+            subsets.add(subset)
+        split = rename.get(subset, subset) if subset is not None else default_split
+        split = re.sub(r"[^A-Za-z0-9_-]", "_", split)
         if not SPLIT_RE.match(split):
             raise ValueError(f"{t}: split name {split!r} derived from its folder is not usable")
-        for lineno, line in enumerate(t.read_text(encoding="utf-8").splitlines(), 1):
+        try:
+            lines = t.read_text(encoding="utf-8").splitlines()
+        except UnicodeDecodeError as exc:
+            raise ValueError(f"{t}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+        for lineno, line in enumerate(lines, 1):
             if not line.strip():
                 continue
             uid, _, text = line.strip().partition(" ")
+            where = f"{t}:{lineno}"
+            candidates = [t.parent / (uid + e) for e in _AUDIO_EXTS]
+            audio = next((a for a in candidates if a.is_file()), None)
+            named.update(candidates)
             if not text.strip():
-                raise ValueError(f"{t}:{lineno}: expected 'UTTERANCE-ID TRANSCRIPT', got {line!r}")
-            audio = next((t.parent / (uid + e) for e in _AUDIO_EXTS if (t.parent / (uid + e)).is_file()), None)
-            if audio is None:
-                raise FileNotFoundError(f"{t}:{lineno}: audio {t.parent / (uid + '.flac')} not found")
-            splits.setdefault(split, []).append((uid, audio, text.strip()))
-    return splits
+                skipped.append(Skipped(where, "empty transcript", f"utterance {uid} has an empty transcript"))
+            elif audio is None:
+                skipped.append(Skipped(where, "audio not found", f"audio {candidates[0]} not found"))
+            elif _key(uid) in keys.setdefault(split, set()):
+                skipped.append(Skipped(where, "repeated id", f"utterance id {uid} repeats in split {split!r}"))
+            else:
+                keys[split].add(_key(uid))
+                splits.setdefault(split, []).append((uid, audio, text.strip()))
+    unknown = sorted(set(rename) - subsets)
+    if unknown:
+        raise ValueError(f"{src}: rename names subset folder(s) {', '.join(unknown)} that hold no *.trans.txt "
+                         f"(subsets: {', '.join(sorted(subsets)) or 'none, the folder is one subset'})")
+    for audio in sorted(p for e in _AUDIO_EXTS for p in src.rglob(f"*{e}")):
+        if audio not in named:
+            skipped.append(Skipped(str(audio), "no transcript", "no transcript line names it"))
+    return splits, skipped
+
+
+def _key(uid: str) -> str:
+    """The shard sample key of an utterance id: the id itself when it is a valid key."""
+    return uid if KEY_RE.match(uid) else re.sub(r"[^A-Za-z0-9_-]", "_", uid)
+
+
+def audio_info(path: Path) -> Any:
+    """``soundfile.info`` of an audio file, checked to decode: the header must parse, the clip must have samples,
+    and its last sample must be readable (a seek there fails in a truncated FLAC, whose header still gives the
+    full length). A ValueError says what is wrong. Damage inside the stream is found later, by the data reader,
+    which skips and counts such samples."""
+    import soundfile as sf
+
+    try:
+        info = sf.info(str(path))
+        if info.frames < 1:
+            raise ValueError("the audio has no samples")
+        with sf.SoundFile(str(path)) as f:
+            f.seek(info.frames - 1)
+            if f.read(1).shape[0] != 1:
+                raise ValueError("the audio ends before its header says")
+    except (RuntimeError, sf.SoundFileError) as exc:  # libsndfile: unknown format, lost sync, failed seek
+        detail = " ".join(str(exc).replace(repr(str(path)), "the file").split())  # the path is named once, first
+        raise ValueError(f"not readable audio ({detail})") from None
+    return info
 
 
 def build_librispeech(
@@ -253,42 +328,66 @@ def build_librispeech(
     *,
     src: str | os.PathLike,
     split: str = "train",
+    rename: Mapping[str, str] | None = None,
     seed: int = 0,
     shard_size: int = 2000,
     quiet: bool = False,
     force: bool = False,
 ) -> dict[str, Any]:
     """A LibriSpeech-layout folder -> shards of ``<key>.flac`` (the original bytes), ``<key>.txt``
-    and ``<key>.json`` (id, speaker, chapter, sample_rate, duration), in a seeded shuffled order."""
-    import soundfile as sf
+    (the transcript as written, e.g. LibriSpeech's upper case) and ``<key>.json`` (id, speaker, chapter,
+    sample_rate, duration), in a seeded shuffled order per split.
 
+    ``split``: the split of a folder that is one subset (speaker/chapter/...); a root of subset folders gives
+    one split per subset, named as the folder unless ``rename`` maps it ({"train-clean-100": "train",
+    "train-clean-360": "train", "test-clean": "test"}: subsets mapped to one split are shuffled together).
+
+    What cannot be used is skipped, one warning line each, and counted in the manifest (``skipped``: the
+    number per reason, ``skipped_files``: path and reason of each): transcript lines without text, lines whose
+    audio is missing, repeated utterance ids, audio no line names, audio that does not decode (``audio_info``).
+    A build where nothing is left fails."""
     src = Path(src)
     if not SPLIT_RE.match(split):
         raise ValueError(f"split {split!r} must match {SPLIT_RE.pattern}")
-    splits = scan_librispeech(src, split)
+    bad = {k: v for k, v in (rename or {}).items() if not isinstance(v, str) or not SPLIT_RE.match(v)}
+    if bad:
+        raise ValueError(f"rename: split names must match {SPLIT_RE.pattern}, got {bad}")
+    splits, skipped = scan_librispeech(src, split, rename)
     files = [a for items in splits.values() for _, a, _ in items] + sorted(src.rglob("*.trans.txt"))
+    args = {"split": split, "seed": seed, **({"rename": dict(sorted(rename.items()))} if rename else {})}
     with Build(
-        out, "librispeech", {"split": split, "seed": seed},
+        out, "librispeech", args,
         source={"files": len(files), "stat_sha256": fingerprint_files(files, src)},
         shard_size=shard_size, quiet=quiet, force=force,
     ) as build:  # fmt: skip
         if (manifest := build.up_to_date()) is not None:
             return manifest
+        for s in skipped:
+            warnings.warn(f"{s.path}: {s.reason}; skipped", stacklevel=2)
+        readable: dict[str, list[tuple[str, Path, str, Any]]] = {}
+        for name, items in sorted(splits.items()):
+            for uid, audio, text in items:
+                try:
+                    readable.setdefault(name, []).append((uid, audio, text, audio_info(audio)))
+                except ValueError as exc:
+                    skipped.append(Skipped(str(audio), "unreadable audio", str(exc)))
+                    warnings.warn(f"{audio}: {exc}; skipped", stacklevel=2)
+        kept = sum(len(items) for items in readable.values())
+        if not kept:
+            raise ValueError(f"{src}: no usable utterances ({len(skipped)} skipped: {_reasons(skipped)})")
+        if skipped:
+            warnings.warn(f"{src}: {len(skipped)} item(s) skipped ({_reasons(skipped)}), {kept} utterances kept",
+                          stacklevel=2)
         build.start()
         stats = {}
-        for name, items in sorted(splits.items()):
+        for name, items in sorted(readable.items()):
             name_id = int.from_bytes(hashlib.sha256(name.encode()).digest()[:4], "little")
             order = np.random.default_rng([seed, name_id]).permutation(len(items))
             seconds = 0.0
             with build.split(name, total=len(items)) as w:
                 for j in order:
-                    uid, audio, text = items[j]
-                    try:
-                        info = sf.info(str(audio))
-                    except RuntimeError as exc:
-                        raise ValueError(f"{audio}: not a readable audio file ({exc})") from None
+                    uid, audio, text, info = items[j]
                     parts = uid.split("-")
-                    key = uid if KEY_RE.match(uid) else re.sub(r"[^A-Za-z0-9_-]", "_", uid)
                     meta = {
                         "id": uid,
                         "speaker": parts[0] if len(parts) == 3 else None,
@@ -296,15 +395,21 @@ def build_librispeech(
                         "sample_rate": info.samplerate,
                         "duration": round(info.frames / info.samplerate, 4),
                     }
-                    w.write({"__key__": key, audio.suffix[1:]: audio.read_bytes(), "txt": text, "json": meta})
+                    w.write({"__key__": _key(uid), audio.suffix[1:]: audio.read_bytes(), "txt": text, "json": meta})
                     seconds += meta["duration"]
             stats[name] = {"hours": round(seconds / 3600, 4)}
         return build.finish(
             split_stats=stats,
             source_dir=str(src.resolve()),
+            skipped=dict(Counter(s.kind for s in skipped)),
+            skipped_files=[{"path": s.path, "reason": s.reason} for s in skipped],
             fields={
                 "flac": "the original audio bytes (.wav where the source had WAV)",
                 "txt": "transcript as in the .trans.txt file",
                 "json": "{id, speaker, chapter, sample_rate, duration}",
             },
         )
+
+
+def _reasons(skipped: Sequence[Skipped]) -> str:
+    return ", ".join(f"{n} {kind}" for kind, n in sorted(Counter(s.kind for s in skipped).items()))

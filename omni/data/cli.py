@@ -109,7 +109,16 @@ def _speech_synth(a: argparse.Namespace) -> Any:
 def _librispeech(a: argparse.Namespace) -> Any:
     from omni.data.builders_speech import build_librispeech
 
-    return build_librispeech(a.out, src=a.src, split=a.split, seed=a.seed, **_common_kwargs(a))
+    return build_librispeech(a.out, src=a.src, split=a.split, rename=a.rename, seed=a.seed, **_common_kwargs(a))
+
+
+def _renames(text: str) -> dict[str, str]:
+    """``SUBSET=SPLIT,...`` -> {subset folder: split name}."""
+    pairs = [item.partition("=") for item in _csv(text) if item]
+    bad = [f"{k}{eq}{v}" for k, eq, v in pairs if not (k and eq and v)]
+    if bad or not pairs:
+        raise argparse.ArgumentTypeError(f"expected SUBSET=SPLIT[,SUBSET=SPLIT...], got {text!r}")
+    return {k: v for k, _, v in pairs}
 
 
 def _gym(a: argparse.Namespace) -> Any:
@@ -222,6 +231,8 @@ def add_data_commands(subparsers: Any) -> argparse.ArgumentParser:
     _common(p, 2000)
     p.add_argument("--src", required=True, help="a subset folder (speaker/chapter/...) or a root of subsets")
     p.add_argument("--split", default="train", help="split name when SRC is one subset (default train)")
+    p.add_argument("--rename", type=_renames, help="subset folder -> split, e.g. train-clean-100=train,"
+                   "train-clean-360=train,dev-clean=test (default: each subset is a split of its own name)")  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_runner("data librispeech", _librispeech))
 
