@@ -165,9 +165,9 @@ def _class_names(labels: Any, n: int) -> list[str] | None:
         x is not None for x in labels) else None
 
 
-def _layout(key: str, tensor: Tensor, shape: torch.Size, to_timm: bool, image: ImageTokenizer) -> Tensor:
-    """One tensor from omni's layout to timm's (or back): the patch kernel (d, C, p, p) <-> (d, p * p * C), every
-    other tensor reshaped ((1, 1, d) <-> (d,), (1, L, d) <-> (L, d))."""
+def layout(key: str, tensor: Tensor, shape: torch.Size, to_timm: bool, image: ImageTokenizer) -> Tensor:
+    """One tensor from omni's layout to timm's (or back; HF's ViT has timm's layout): the patch kernel
+    (d, C, p, p) <-> (d, p * p * C), every other tensor reshaped ((1, 1, d) <-> (d,), (1, L, d) <-> (L, d))."""
     if key == PATCH_WEIGHT:
         p, c = image.patch_size, image.channels
         tensor = tensor.reshape(-1, p, p, c).permute(0, 3, 1, 2) if to_timm else tensor.permute(0, 2, 3, 1)
@@ -207,7 +207,7 @@ def from_timm(state_dict: Mapping[str, Tensor], model: nn.Module, source: Mappin
     for key, target in classifier.state_dict().items():
         name = timm_name(key)
         if name in state_dict:
-            out[key] = _layout(key, state_dict[name], target.shape, False, image)
+            out[key] = layout(key, state_dict[name], target.shape, False, image)
         else:  # the type embedding, or a bias timm leaves out
             out[key] = torch.zeros(target.shape)
     names = _class_names(model.pretrained_cfg.get("label_names"), desc["num_classes"])
@@ -281,7 +281,7 @@ def to_timm(config: Mapping[str, Any], state_dict: Mapping[str, Tensor], image: 
     theirs = {k: v.shape for k, v in model.state_dict().items()}
     if set(theirs) - set(ours):
         raise ConversionError(f"the export has no tensors for {arch}'s {names(set(theirs) - set(ours))}")
-    out = {name: _layout(ours[name], state_dict[ours[name]], shape, True, image) for name, shape in theirs.items()}
+    out = {name: layout(ours[name], state_dict[ours[name]], shape, True, image) for name, shape in theirs.items()}
     for name, key in ours.items():
         if name not in out and bool(state_dict[key].any()):
             raise ConversionError(f"{key} is not zero, and {arch} (with {model_args}) has no {name}")
@@ -351,4 +351,4 @@ def write_timm(export: str | Path, out: str | Path, arch: str | None = None) -> 
 
 register_converter(Converter(FORMAT, recognises, read_timm, write_timm))
 
-__all__ = ["describe", "from_timm", "read_timm", "timm_model", "timm_name", "to_timm", "write_timm"]
+__all__ = ["describe", "from_timm", "layout", "read_timm", "timm_model", "timm_name", "to_timm", "write_timm"]
