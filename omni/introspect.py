@@ -59,7 +59,9 @@ LayerFilter = Union[None, Iterable[str], Callable[[str], bool]]
 
 def block_mask_to_dense(mask: BlockMask) -> Tensor:
     """A FlexAttention BlockMask as the dense bool mask (B, H, Q, KV) it applies: every pair of a full block,
-    and the pairs of a partial block that its mask_mod allows. Blocks not listed are masked."""
+    and the pairs of a partial block that its mask_mod allows; blocks not listed are masked. These are the
+    compiled (GPU) kernels' rules; eager flex_attention (CPU) evaluates mask_mod alone. The two agree for an
+    exact BlockMask (full blocks all allowed, unlisted blocks all masked), as omni.packing.block_mask builds."""
     Q, KV = mask.seq_lengths
     B, H, n_q = mask.kv_num_blocks.shape
     bq, bk = mask.BLOCK_SIZE
@@ -145,8 +147,7 @@ class Record:
                  and (trunk is None or _trunk_of(n) == trunk)]
         if trunk is None and len({_trunk_of(n) for n in names}) > 1:
             raise ValueError(f"the record holds several trunks ({sorted({_trunk_of(n) for n in names})}): name one")
-        att = self.attention
-        return [att[n] for n in sorted(names, key=lambda n: int(n.rsplit(".", 2)[-2]))]
+        return [_join(self.steps[n], 2, n) for n in sorted(names, key=lambda n: int(n.rsplit(".", 2)[-2]))]
 
 
 def _trunk_of(name: str) -> str:
@@ -169,7 +170,7 @@ def _selected(layers: LayerFilter) -> Callable[[str], bool]:
         return lambda name: True
     if callable(layers):
         return layers
-    wanted = set(layers)
+    wanted = {layers} if isinstance(layers, str) else set(layers)
     return lambda name: name in wanted
 
 
@@ -182,6 +183,8 @@ def capture(model: nn.Module, attention: bool = True, hidden_states: bool = True
             fast path, e.g. ``layers=["trunk.blocks.11.attn"]`` for a last-layer map of a big ViT.
     device: where to keep what is recorded (e.g. "cpu" for long sequences on a GPU); default: where computed.
     Recorded tensors are detached. Everything ``capture`` set is removed when the block exits, also on error.
+    The recorded layers compute attention in float32 (``reference_attention``): under bf16/fp16 their outputs
+    differ from the fast path's by the fast kernels' rounding; in fp32 they agree to ~1e-6.
     """
     inner = getattr(model, "_orig_mod", model)  # torch.compile's wrapper: name the model's own modules
     prefix = "trunk." if isinstance(inner, Trunk) else ""  # a bare Trunk is named as the models name theirs
@@ -190,15 +193,27 @@ def capture(model: nn.Module, attention: bool = True, hidden_states: bool = True
     keep = _selected(layers)
     if layers is not None and not callable(layers):
         known = {n for n, m in modules.items() if isinstance(m, (SelfAttention, CrossAttention))}
-        if set(layers) - known:
-            raise ValueError(f"no attention module named {sorted(set(layers) - known)}; the model has {sorted(known)}")
+        unknown = ({layers} if isinstance(layers, str) else set(layers)) - known
+        if unknown:
+            raise ValueError(f"no attention module named {sorted(unknown)}; the model has {sorted(known)}")
     store = (lambda t: t.detach()) if device is None else (lambda t: t.detach().to(device))
     patched: list[nn.Module] = []
     handles: list[torch.utils.hooks.RemovableHandle] = []
 
+    # Every layer gets the same BlockMask: convert it once (the latest one only, so a capture over many batches
+    # holds one dense mask, not one per batch; holding the mask keeps its id from being reused meanwhile).
+    converted: list = [None, None]  # [BlockMask, its dense (B, H, Q, KV) bool]
+
+    def dense(mask: Mask) -> Mask:
+        if not isinstance(mask, BlockMask):
+            return mask
+        if converted[0] is not mask:
+            converted[:] = [mask, block_mask_to_dense(mask)]
+        return converted[1]
+
     def recorder(name: str) -> Callable[[Tensor, Tensor, Tensor, Mask], Tensor]:
         def record(q: Tensor, k: Tensor, v: Tensor, mask: Mask) -> Tensor:
-            out, probs = reference_attention(q, k, v, mask)
+            out, probs = reference_attention(q, k, v, dense(mask))
             rec.steps.setdefault(name, []).append(store(probs))
             return out
 

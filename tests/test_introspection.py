@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.nn.attention.flex_attention import BlockMask
 
 from omni.introspect import (attention_rollout, block_mask_to_dense, capture, dense_mask, document_attention,
                              image_attention, packed_layout, patch_attention, reference_attention, segment_attention)
 from omni.model import OmniModel
-from omni.packing import Packer
+from omni.packing import Packer, block_mask
 from omni.rl import DecisionTransformer
 from omni.segment import Sample
 from omni.speech import SpeechRecognizer
@@ -109,15 +110,34 @@ def test_fully_masked_query_gets_zeros():
     check_distribution(probs[1], None)
 
 
-def test_block_mask_to_dense_and_flex_on_cpu():
+@pytest.mark.parametrize("block_size", [128, 16])
+def test_block_mask_to_dense_and_flex_on_cpu(block_size):
     _, _, batch = packed_batch()
-    block, dense = batch.attention_mask("block"), batch.attention_mask("dense")
-    assert torch.equal(block_mask_to_dense(block), dense.expand(-1, 1, -1, -1))
+    block = block_mask(batch.document, batch.segment, batch.causal, block_size=block_size)
+    dense = batch.attention_mask("dense")
+    if block_size == 16:  # 8 x 8 tiles: full, partial and skipped ones all occur
+        assert int(block.full_kv_num_blocks.sum()) > 0 and int(block.kv_num_blocks.sum()) > 0
+        assert int((block.full_kv_num_blocks + block.kv_num_blocks).sum()) < 64
+    assert torch.equal(block_mask_to_dense(block), dense)
     q, k, v = qkv(B=1, H=4, G=2, T=128, S=128, D=16)
     out, probs = reference_attention(q, k, v, block)  # the BlockMask converted through its mask_mod
     torch.testing.assert_close(out, attend(q, k, v, block), **TOL)  # FlexAttention (eager, CPU)
     torch.testing.assert_close(out, attend(q, k, v, dense), **TOL)
     check_distribution(probs, dense)
+
+
+def test_block_mask_to_dense_follows_the_block_structure():
+    """Blocks decide first, as in the compiled kernels: a full block is attended whatever mask_mod says, an
+    unlisted block is not (here mask_mod would allow it). 4 x 4 tiles of 16: partial diagonal, full below it."""
+    i32 = torch.int32
+    diagonal = torch.arange(4, dtype=i32).view(1, 1, 4, 1).expand(1, 1, 4, 4).contiguous()
+    below = (torch.arange(4, dtype=i32) - 1).clamp_min(0).view(1, 1, 4, 1).expand(1, 1, 4, 4).contiguous()
+    mask = BlockMask.from_kv_blocks(torch.ones(1, 1, 4, dtype=i32), diagonal,
+                                    torch.tensor([[[0, 1, 1, 1]]], dtype=i32), below,
+                                    BLOCK_SIZE=16, mask_mod=lambda b, h, q, kv: q == kv)
+    t = torch.arange(64) // 16
+    want = (t[:, None] == t[None] + 1) | torch.eye(64, dtype=torch.bool)  # full blocks + mask_mod on the diagonal
+    assert torch.equal(block_mask_to_dense(mask), want[None, None])
 
 
 @pytest.mark.parametrize("positions", ["rope", "rope2d", "learned"])
@@ -145,6 +165,18 @@ def test_trunk_packed_capture_equals_fast_path(positions, mask):
         assert torch.equal(hidden[0], x + trunk.absolute(batch.positions))
     else:
         assert torch.equal(hidden[0], x)
+
+
+def test_bfloat16_capture_within_rounding():
+    torch.manual_seed(0)
+    trunk = Trunk(preset("tiny", n_kv_heads=1)).to(torch.bfloat16).eval()
+    x = torch.randn(2, 16, 64, dtype=torch.bfloat16)
+    with torch.no_grad():
+        fast = trunk(x, mask="causal")
+        with capture(trunk) as rec:
+            slow = trunk(x, mask="causal")
+    assert slow.dtype == torch.bfloat16 and rec.attention["trunk.blocks.0.attn"].dtype == torch.float32
+    torch.testing.assert_close(slow, fast, atol=3e-2, rtol=2e-2)  # bf16: 8 bits of mantissa
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -323,6 +355,10 @@ def test_decision_transformer_with_and_without_cache():
             for t in range(6):
                 model(tokens[:, t:t + 1], cache)
     torch.testing.assert_close(slow, fast, **MODEL_TOL)
+    with torch.no_grad(), capture(model, hidden_states=False, layers="trunk.blocks.1.attn") as one:
+        model(tokens)  # one layer on the reference path, the other on SDPA
+    assert list(one.attention) == ["trunk.blocks.1.attn"] and not one.hidden_steps
+    torch.testing.assert_close(one.attention["trunk.blocks.1.attn"], full.attention["trunk.blocks.1.attn"], **TOL)
     for i in range(2):
         probs = full.attention[f"trunk.blocks.{i}.attn"]
         check_distribution(probs, torch.ones(6, 6, dtype=torch.bool).tril())
