@@ -13,6 +13,9 @@ The parts (the split of openai/whisper's decoding.py):
                       held in a device tensor, so a step has fixed shapes and no host sync
     FullInference     the reference: the whole text so far through the model every step (no cache)
     MinNewTokens      a LogitFilter (omni.interfaces): eos cannot win before min_new_tokens
+    SuppressTokens    a LogitFilter: these ids are never chosen (Whisper's suppress_tokens)
+    SuppressAtStart   a LogitFilter: these ids are not chosen first (Whisper's suppress_blank: " " and eot)
+                      (a model's own filters, ``model.logit_filters``, run after DecodingOptions' in every strategy)
     RepetitionGuard   a stop rule: a row ending in max_repeats copies of one block of <= max_period tokens ends,
                       keeping the first copy
     Greedy            strategy: argmax per row, all state on the device (what a CUDA graph replays)
@@ -29,10 +32,10 @@ inside the strategy (after it).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from omni.cuda_graphs import capture, warm_up
 from omni.interfaces import LogitFilter, Seq2SeqDecoder
@@ -113,6 +116,32 @@ class MinNewTokens:
         return logits
 
 
+class SuppressTokens(nn.Module):
+    """These ids are never chosen: Whisper's SuppressTokens (its default "-1" set: the non-speech tokens and the
+    task / start specials, omni.interop.whisper.suppress_tokens). The ids are a non-persistent buffer: they move
+    with the model and stay out of its state dict."""
+
+    def __init__(self, ids: Sequence[int]) -> None:
+        super().__init__()
+        self.register_buffer("ids", torch.tensor(sorted(set(int(i) for i in ids)), dtype=torch.long), persistent=False)
+
+    def forward(self, logits: Tensor, tokens: Tensor, t: Tensor) -> Tensor:
+        return logits.index_fill_(1, self.ids, NEG_INF)
+
+
+class SuppressAtStart(nn.Module):
+    """These ids cannot be the first generated token: Whisper's SuppressBlank (" " and eot at the first sampled
+    position, so a transcript neither starts with a blank nor is empty). Fixed shapes, no host sync."""
+
+    def __init__(self, ids: Sequence[int]) -> None:
+        super().__init__()
+        self.register_buffer("ids", torch.tensor(sorted(set(int(i) for i in ids)), dtype=torch.long), persistent=False)
+
+    def forward(self, logits: Tensor, tokens: Tensor, t: Tensor) -> Tensor:
+        logits[:, self.ids] = torch.where(t == 0, NEG_INF, logits[:, self.ids])
+        return logits
+
+
 class RepetitionGuard:
     """A row whose tokens end in ``max_repeats`` copies of one block of p <= ``max_period`` tokens is in a loop:
     it ends, keeping the first copy; the shortest period wins ("a a a a" keeps one "a"). Never before
@@ -167,7 +196,9 @@ class DecodingOptions:
         return limit.clamp(min=1)
 
     def filters(self, model: Seq2SeqDecoder) -> list[LogitFilter]:
-        return [MinNewTokens(model.eos_id, self.min_new_tokens)] if self.min_new_tokens > 0 else []
+        """These options' rules, then the model's own (``model.logit_filters``, e.g. a converted Whisper's)."""
+        own = list(getattr(model, "logit_filters", None) or ())
+        return ([MinNewTokens(model.eos_id, self.min_new_tokens)] if self.min_new_tokens > 0 else []) + own
 
     def guard(self, device: torch.device) -> RepetitionGuard | None:
         if self.max_repeats is None:
@@ -491,4 +522,5 @@ class GraphedGreedyDecoder:
 
 
 __all__ = ["BeamSearch", "CachedInference", "Decoding", "DecodingOptions", "FullInference", "GraphedGreedyDecoder",
-           "Greedy", "MinNewTokens", "RepetitionGuard", "beam_search", "greedy_decode", "length_normalised"]
+           "Greedy", "MinNewTokens", "RepetitionGuard", "SuppressAtStart", "SuppressTokens", "beam_search",
+           "greedy_decode", "length_normalised"]

@@ -35,14 +35,14 @@ import os
 import re
 import unicodedata
 from dataclasses import dataclass
-from typing import Any, Hashable, Sequence
+from typing import Any, Hashable, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
 from rapidfuzz.distance import Levenshtein
 from torch import Tensor, nn
 
-from omni.decoding import GraphedGreedyDecoder, beam_search, greedy_decode
+from omni.decoding import GraphedGreedyDecoder, SuppressAtStart, SuppressTokens, beam_search, greedy_decode
 from omni.heads import LMHead
 from omni.interfaces import Seq2SeqDecoder
 from omni.tokenizers.audio import AudioTokenizer, load_audio
@@ -72,7 +72,8 @@ class SpeechRecognizer(nn.Module):
     BPE vocabulary: at 50 audio tokens/s a BPE-wide head would cost more than the encoder's MLPs."""
 
     def __init__(self, audio: AudioTokenizer, text: TextTokenizer, encoder: TrunkConfig,
-                 decoder: TrunkConfig, ctc: bool = False, audio_positions: str = "none") -> None:
+                 decoder: TrunkConfig, ctc: bool = False, audio_positions: str = "none",
+                 prompt: Sequence[str] | None = None, decoding: Mapping[str, Any] | None = None) -> None:
         super().__init__()
         if encoder.d_model != decoder.d_model:
             raise ValueError(f"encoder width {encoder.d_model} != decoder width {decoder.d_model}: "
@@ -95,16 +96,25 @@ class SpeechRecognizer(nn.Module):
         if audio_positions not in ("none", "sinusoidal"):
             raise ValueError(f"audio_positions must be 'none' or 'sinusoidal', got {audio_positions!r}")
         self.audio_positions = audio_positions
+        # The prompt by special-token names (config "prompt"): Whisper's is [<|startoftranscript|>, <|en|>,
+        # <|transcribe|>, <|notimestamps|>]; None is omni's own [bos, <|transcribe|>].
+        self.prompt_names = None if prompt is None else [str(name) for name in prompt]
+        self._prompt = ([self.bos_id, self.task_id] if prompt is None
+                        else [text.token_id(name) for name in self.prompt_names])
+        self.decoding = DecodingRules.from_config(decoding)
+        # Logit rules every decoding strategy applies (omni.decoding reads ``logit_filters``); ids in non-persistent
+        # buffers, so they follow the model's device and stay out of the state dict.
+        self.logit_filters = nn.ModuleList(self.decoding.filters())
 
     @property
     def prompt(self) -> list[int]:
-        """The decoder prompt every transcript starts with: [bos, <|transcribe|>]."""
-        return [self.bos_id, self.task_id]
+        """The decoder prompt every transcript starts with: [bos, <|transcribe|>], or the config's."""
+        return list(self._prompt)
 
     def encode(self, audio: Tensor, audio_mask: Tensor | None = None) -> Tensor:
-        """audio (B, S, F) log-mel windows, audio_mask (B, S) bool True = real -> memory (B, S, d)."""
+        """audio (B, S, F) audio tokens, audio_mask (B, S) bool True = real -> memory (B, S, d)."""
         mask = None if audio_mask is None else audio_mask[:, None, None, :]
-        x = self.audio_embed(audio)
+        x = self.audio_embed(audio, audio_mask)
         if self.audio_positions == "sinusoidal":  # Whisper's absolute positions, on top of the trunk's own
             x = x + sinusoid(x.shape[1], x.shape[2], x.device).to(x.dtype)
         return self.encoder(x, None, mask)
@@ -155,11 +165,50 @@ def sinusoid(length: int, d: int, device: torch.device | str | None = None) -> T
     return torch.cat([angles.sin(), angles.cos()], dim=1)
 
 
+@dataclass(frozen=True)
+class DecodingRules:
+    """A model's own decoding defaults (export config "decoding"; absent keys: omni's defaults): the guards of
+    ``greedy_decode`` / ``beam_search`` (``GUARDS``; callers' arguments win) and Whisper's logit rules,
+    ``suppress_tokens`` (never chosen) and ``suppress_at_start`` (not chosen first: Whisper's suppress-blank,
+    " " and eot)."""
+
+    guards: tuple[tuple[str, Any], ...] = ()
+    suppress_tokens: tuple[int, ...] = ()
+    suppress_at_start: tuple[int, ...] = ()
+
+    GUARDS = ("max_new_tokens", "tokens_per_second", "max_period", "max_repeats", "min_new_tokens")
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any] | None) -> "DecodingRules":
+        config = dict(config or {})
+        unknown = sorted(set(config) - {*cls.GUARDS, "suppress_tokens", "suppress_at_start"})
+        if unknown:
+            raise ValueError(f"decoding rules {', '.join(unknown)} are unknown; known: "
+                             f"{', '.join(cls.GUARDS)}, suppress_tokens, suppress_at_start")
+        guards = tuple((k, config[k]) for k in cls.GUARDS if k in config)
+        return cls(guards, tuple(int(i) for i in config.get("suppress_tokens", ())),
+                   tuple(int(i) for i in config.get("suppress_at_start", ())))
+
+    def filters(self) -> list[nn.Module]:
+        return ([SuppressTokens(self.suppress_tokens)] if self.suppress_tokens else []) + \
+               ([SuppressAtStart(self.suppress_at_start)] if self.suppress_at_start else [])
+
+    def config(self) -> dict[str, Any]:
+        out: dict[str, Any] = dict(self.guards)
+        if self.suppress_tokens:
+            out["suppress_tokens"] = list(self.suppress_tokens)
+        if self.suppress_at_start:
+            out["suppress_at_start"] = list(self.suppress_at_start)
+        return out
+
+
 def build_speech_recognizer(config: dict[str, Any], tokenizers: dict[str, Any]) -> SpeechRecognizer:
-    """Export builder (config.json "builder": "omni.speech:build_speech_recognizer")."""
+    """Export builder (config.json "builder": "omni.speech:build_speech_recognizer"); "prompt" and "decoding"
+    are optional (omni's own prompt and rules without them)."""
     return SpeechRecognizer(tokenizers["audio"], tokenizers["text"], TrunkConfig(**config["encoder"]),
                             TrunkConfig(**config["decoder"]), ctc=bool(config.get("ctc", False)),
-                            audio_positions=config.get("audio_positions", "none"))
+                            audio_positions=config.get("audio_positions", "none"), prompt=config.get("prompt"),
+                            decoding=config.get("decoding"))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -304,7 +353,10 @@ speech_loss = SpeechLoss()  # decoder cross-entropy only (the loss of every mode
 def transcribe_batch(model: Seq2SeqDecoder, text_tok: TextTokenizer, audio: Tensor,
                      audio_mask: Tensor, *, beam_size: int = 1, length_penalty: float = 1.0,
                      **guards: Any) -> list[str]:
-    """Padded audio tokens (B, S, F) + mask -> transcripts (greedy for beam_size 1, else beam search)."""
+    """Padded audio tokens (B, S, F) + mask -> transcripts (greedy for beam_size 1, else beam search). The model's
+    own decoding guards (``SpeechRecognizer.decoding``: a converted Whisper's) are the defaults of ``guards``."""
+    rules = getattr(model, "decoding", None)
+    guards = {**dict(rules.guards), **guards} if isinstance(rules, DecodingRules) else guards
     memory = model.encode(audio, audio_mask)
     if beam_size == 1:
         ids = greedy_decode(model, memory, audio_mask, **guards)

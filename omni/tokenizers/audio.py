@@ -12,6 +12,14 @@ a convolution along dim 0 would leak across clips, so the stem is expressed per 
 ``encode`` cuts the 5-frame windows out itself (``unfold_tokens``) and the embedder is a
 per-token MLP over the flattened window: same receptive field, same 50 Hz output rate.
 
+Whisper's front-end (``frontend="whisper"``), for checkpoints converted from Whisper (omni.interop.whisper): the
+log-mel whisper.transcribe feeds its decoder: the waveform padded with ``max_seconds`` (30 s) of zeros, STFT with
+the last centred frame dropped (n // hop_length frames), normalised over all of it, the first 3,000 frames kept
+(``whisper_log_mel``). Tokens are pairs of frames, (1500, 2 * n_mels): a reshape, not an unfold, so that one
+token is one output of Whisper's stride-2 conv stem (``ConvStem``: conv k3 -> GELU -> conv k3 stride 2 -> GELU,
+zero padding at the edges), and a key-padding mask over tokens is also the mask over the encoder's output.
+The stem reads neighbouring tokens, so it needs padded batches (B, S, 2 * n_mels), not packed ones.
+
 Array layouts (documented because numpy and torch conventions differ):
   * numpy 2-D arrays are (samples, channels), as ``soundfile.read`` returns them;
   * torch 2-D tensors are (channels, samples), as ``torchaudio.load`` returns them;
@@ -42,10 +50,13 @@ __all__ = [
     "AudioEmbedder",
     "AudioTokenizer",
     "ClipTooLong",
+    "ConvStem",
+    "frame_pairs",
     "load_audio",
     "log_mel",
     "log_mel_floor",
     "unfold_tokens",
+    "whisper_log_mel",
 ]
 
 # Whisper normalisation constants (whisper/audio.py::log_mel_spectrogram).
@@ -59,6 +70,7 @@ _ABSOLUTE_FLOOR = (math.log10(_MEL_CLAMP) + _OFFSET) / _SCALE  # -1.5
 SUPPORTED_FORMATS = "WAV, FLAC, OGG (Vorbis/Opus), MP3, AIFF and the other formats libsndfile reads"
 
 Truncation = Literal["error", "truncate"]
+FrontEnd = Literal["windows", "whisper"]  # omni's overlapping 5-frame windows | Whisper's 30 s frames
 
 # Integer PCM scaling to [-1, 1]; 8-bit PCM (WAV) is unsigned with 128 as silence.
 _INT_PCM: dict[Any, tuple[float, float]] = {
@@ -129,10 +141,52 @@ def log_mel(
     if samples < min_len:
         x = torch.nn.functional.pad(x, (0, min_len - samples))
     mel = _mel_transform(sample_rate, n_fft, hop_length, n_mels, str(x.device))(x)[..., :frames]
+    return _normalise(mel)
+
+
+def _normalise(mel: Tensor) -> Tensor:
+    """Whisper's normalisation of mel power (..., n_mels, frames), per clip over the last two dims."""
     logs = torch.clamp(mel, min=_MEL_CLAMP).log10()
     peak = logs.amax(dim=(-2, -1), keepdim=True)
     logs = torch.maximum(logs, peak - _DYNAMIC_RANGE)
     return (logs + _OFFSET) / _SCALE
+
+
+def whisper_log_mel(
+    waveform: Tensor,
+    *,
+    sample_rate: int = 16000,
+    n_fft: int = 400,
+    hop_length: int = 160,
+    n_mels: int = 80,
+    seconds: float = 30.0,
+) -> Tensor:
+    """The log-mel whisper.transcribe gives its decoder for a clip of at most ``seconds``:
+    ``log_mel_spectrogram(audio, n_mels, padding=N_SAMPLES)[:, :N_FRAMES]``.
+
+    waveform (..., samples) at ``sample_rate`` -> (..., n_mels, seconds * sample_rate // hop_length). In
+    Whisper's order: the waveform is padded with ``seconds`` of zeros, the centred STFT (reflect padding, a
+    periodic Hann window of n_fft) loses its last frame, the normalisation takes the maximum over every frame of
+    the padded clip, and only then is the mel cut to the chunk. The filters are torchaudio's Slaney mel
+    filterbank, equal to Whisper's shipped mel_filters.npz (librosa's) within 2e-7.
+    """
+    if not waveform.is_floating_point():
+        raise TypeError(f"whisper_log_mel expects a floating-point waveform, got {waveform.dtype}")
+    if waveform.shape[-1] == 0:
+        raise ValueError("whisper_log_mel got a waveform with 0 samples")
+    chunk = int(round(seconds * sample_rate))
+    x = torch.nn.functional.pad(waveform.float(), (0, chunk))
+    mel = _mel_transform(sample_rate, n_fft, hop_length, n_mels, str(x.device))(x)[..., :-1]
+    return _normalise(mel)[..., : chunk // hop_length]
+
+
+def frame_pairs(mel: Tensor) -> Tensor:
+    """(..., n_mels, frames) with an even frame count -> (..., frames / 2, 2 * n_mels): token i holds
+    frames 2i and 2i + 1, time-major (``ConvStem`` reads them back as frames)."""
+    n_mels, frames = mel.shape[-2], mel.shape[-1]
+    if frames % 2:
+        raise ValueError(f"frame_pairs needs an even number of frames, got {frames}")
+    return mel.transpose(-1, -2).reshape(*mel.shape[:-2], frames // 2, 2 * n_mels)
 
 
 def log_mel_floor(mel: Tensor) -> Tensor:
@@ -356,9 +410,41 @@ class AudioEmbedder(nn.Module):
         self.out_proj = nn.Linear(d_model, d_model)
         self.type_embedding = TypeEmbedding(d_model)
 
-    def forward(self, tokens: Tensor) -> Tensor:
-        """tokens (N, n_mels*kernel) -> (N, d_model)."""
+    def forward(self, tokens: Tensor, mask: Tensor | None = None) -> Tensor:
+        """tokens (N, n_mels*kernel) or (B, S, n_mels*kernel) -> (..., d_model); ``mask`` is not needed (every
+        token on its own) and accepted so that every audio embedder is called alike."""
         return self.type_embedding(self.out_proj(self.act(self.in_proj(tokens))))
+
+
+class ConvStem(nn.Module):
+    """Whisper's stem: Conv1d(n_mels, d, 3, padding 1) -> GELU -> Conv1d(d, d, 3, stride 2, padding 1) -> GELU
+    (exact erf GELU, zero padding at the edges), over frame-pair tokens (B, S, 2 * n_mels) -> (B, S, d).
+
+    No type embedding (Whisper has none; conv2's bias plays that part). With a key-padding ``mask`` (B, S) the
+    frames of padded tokens and the first conv's outputs there are zeroed, so that a clip in a padded batch is
+    stemmed exactly as alone (the second conv then sees zeros past its end, as its own zero padding). In
+    Whisper's front-end every clip is 30 s and the mask is all true (multiplying by 1 changes nothing)."""
+
+    def __init__(self, n_mels: int, d_model: int) -> None:
+        super().__init__()
+        self.n_mels = n_mels
+        self.conv1 = nn.Conv1d(n_mels, d_model, kernel_size=3, padding=1)
+        self.conv2 = nn.Conv1d(d_model, d_model, kernel_size=3, stride=2, padding=1)
+        self.act = nn.GELU()
+
+    def forward(self, tokens: Tensor, mask: Tensor | None = None) -> Tensor:
+        if tokens.dim() != 3 or tokens.shape[-1] != 2 * self.n_mels:
+            raise ValueError(f"the conv stem reads padded batches of frame pairs (B, S, {2 * self.n_mels}), got "
+                             f"{tuple(tokens.shape)} (packed tokens have no neighbours to convolve)")
+        B, S, _ = tokens.shape
+        x = tokens.reshape(B, 2 * S, self.n_mels).transpose(1, 2)  # (B, n_mels, frames)
+        keep = None if mask is None else mask.repeat_interleave(2, dim=1)[:, None].to(x.dtype)  # (B, 1, frames)
+        if keep is not None:
+            x = x * keep
+        h = self.act(self.conv1(x))  # (B, d, frames)
+        if keep is not None:
+            h = h * keep
+        return self.act(self.conv2(h)).transpose(1, 2)  # (B, S, d)
 
 
 @register_tokenizer()
@@ -370,6 +456,10 @@ class AudioTokenizer(Tokenizer):
     Clips longer than ``max_seconds`` raise ClipTooLong (``truncation="error"``) or are cut with a warning
     naming the key (``truncation="truncate"``); ``max_seconds=None`` removes the limit.
     Silent audio is valid (every token equals the floor, -1.5).
+
+    ``frontend``: "windows" (omni's: 5-frame windows every 2 frames, ``AudioEmbedder``) or "whisper" (Whisper's:
+    every clip padded or cut to ``max_seconds``, frame-pair tokens, ``ConvStem``; see the module docstring).
+    Whisper's stem has the windows' receptive field (5 frames) and rate (2), so kernel and stride stay 5 and 2.
     """
 
     modality: ClassVar[str] = "audio"
@@ -385,6 +475,7 @@ class AudioTokenizer(Tokenizer):
         stride: int = 2,
         max_seconds: float | None = 30.0,
         truncation: Truncation = "error",
+        frontend: FrontEnd = "windows",
     ) -> None:
         for name, value in (
             ("sample_rate", sample_rate),
@@ -400,6 +491,16 @@ class AudioTokenizer(Tokenizer):
             raise ValueError(f"AudioTokenizer: max_seconds must be > 0 or None, got {max_seconds!r}")
         if truncation not in ("error", "truncate"):
             raise ValueError(f"AudioTokenizer: truncation must be 'error' or 'truncate', got {truncation!r}")
+        if frontend not in ("windows", "whisper"):
+            raise ValueError(f"AudioTokenizer: frontend must be 'windows' or 'whisper', got {frontend!r}")
+        if frontend == "whisper":
+            if (kernel, stride) != (5, 2):
+                raise ValueError(f"AudioTokenizer: Whisper's conv stem sees 5 frames every 2 (kernel=5, stride=2), "
+                                 f"got kernel={kernel}, stride={stride}")
+            if max_seconds is None or (max_seconds * sample_rate / hop_length) % 2:
+                raise ValueError("AudioTokenizer: the Whisper front-end pads every clip to max_seconds, which must "
+                                 f"give an even number of frames; got max_seconds={max_seconds!r}")
+        self.frontend: FrontEnd = frontend
         self.sample_rate = sample_rate
         self.n_mels = n_mels
         self.n_fft = n_fft
@@ -419,20 +520,24 @@ class AudioTokenizer(Tokenizer):
             "stride": self.stride,
             "max_seconds": self.max_seconds,
             "truncation": self.truncation,
+            **({"frontend": self.frontend} if self.frontend != "windows" else {}),  # older exports unchanged
         }
 
     # -- sizes -----------------------------------------------------------------------------------
     @property
     def feature_dim(self) -> int:
-        """Features per token: n_mels * kernel."""
-        return self.n_mels * self.kernel
+        """Features per token: n_mels * kernel (Whisper front-end: 2 * n_mels, a pair of frames)."""
+        return 2 * self.n_mels if self.frontend == "whisper" else self.n_mels * self.kernel
 
     @property
     def tokens_per_second(self) -> float:
         return self.sample_rate / (self.hop_length * self.stride)
 
     def num_tokens(self, num_samples: int) -> int:
-        """Tokens for a clip of ``num_samples`` samples at ``sample_rate`` (ceil(frames / stride))."""
+        """Tokens for a clip of ``num_samples`` samples at ``sample_rate`` (ceil(frames / stride); the Whisper
+        front-end: always the chunk's, 1500 for 30 s)."""
+        if self.frontend == "whisper":
+            return self._chunk_frames // 2
         frames = 1 + num_samples // self.hop_length
         return (frames - 1) // self.stride + 1
 
@@ -442,6 +547,11 @@ class AudioTokenizer(Tokenizer):
         if self.max_seconds is None:
             return None
         return self.num_tokens(self._max_samples(self.sample_rate))
+
+    @property
+    def _chunk_frames(self) -> int:
+        assert self.max_seconds is not None
+        return int(round(self.max_seconds * self.sample_rate)) // self.hop_length
 
     def _max_samples(self, rate: int) -> int:
         assert self.max_seconds is not None
@@ -475,10 +585,14 @@ class AudioTokenizer(Tokenizer):
     def encode(self, raw: Any, *, key: str = "") -> Segment:
         """raw audio -> Segment(tokens (n, n_mels*kernel) float32, positions arange(n))."""
         wave = self.waveform(raw, key=key)
-        mel = log_mel(
-            wave, sample_rate=self.sample_rate, n_fft=self.n_fft, hop_length=self.hop_length, n_mels=self.n_mels
-        )
-        tokens = unfold_tokens(mel, self.kernel, self.stride).contiguous()
+        settings = dict(sample_rate=self.sample_rate, n_fft=self.n_fft, hop_length=self.hop_length, n_mels=self.n_mels)
+        if self.frontend == "whisper":
+            assert self.max_seconds is not None
+            mel = whisper_log_mel(wave, seconds=self.max_seconds, **settings)
+            tokens = frame_pairs(mel).contiguous()
+        else:
+            mel = log_mel(wave, **settings)
+            tokens = unfold_tokens(mel, self.kernel, self.stride).contiguous()
         return Segment(
             modality=self.modality,
             tokens=tokens,
@@ -488,4 +602,6 @@ class AudioTokenizer(Tokenizer):
         )
 
     def embedder(self, d_model: int) -> nn.Module:
+        if self.frontend == "whisper":
+            return ConvStem(self.n_mels, d_model)
         return AudioEmbedder(self.feature_dim, d_model)
