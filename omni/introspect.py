@@ -24,13 +24,16 @@ record; it removes them (and its forward hooks on the blocks, for hidden states)
 Names. Attention is keyed by the attention module's name in the model: "<trunk>.blocks.<i>.attn" for
 self-attention, "<trunk>.blocks.<i>.cross" for cross-attention, where <trunk> is "trunk" (ImageClassifier,
 DecisionTransformer), "encoder" / "decoder" (SpeechRecognizer), "trunk" (OmniModel), "omni.trunk"
-(MultitaskModel), "trunk" for a bare Trunk too. Hidden states are keyed by the trunk's name: L + 1 tensors (B, T, d), the input of block 0 (embeddings, absolute positions added) and
-each block's output (before the trunk's final norm: the trunk's output is what forward_features returns).
+(MultitaskModel), and "trunk" for a bare Trunk too. Hidden states are keyed by the trunk's name: L + 1 tensors
+(B, T, d), the input of block 0 (embeddings, absolute positions added) and each block's output (before the
+trunk's final norm: the trunk's output is what forward_features returns).
 
 Several calls in one ``capture`` (incremental decoding with a KV cache: one call per step) are concatenated
 along the query / token axis: with a cache the keys are the cache's whole static buffer, so a decoder's
 self-attention is (B, H, T_total, max_length) (zero on slots not written yet, and on pad slots) and its
-cross-attention (B, H, T_total, S). ``rec.steps[name]`` keeps the per-call tensors. Rows are the cache's rows
+cross-attention (B, H, T_total, S). T_total counts the tokens fed: ``omni.decoding.greedy_decode`` feeds the
+prompt, then each new token but the last, so n new tokens after a 2-token prompt give T_total = n + 1; query i
+is the step that predicted token i + 1. ``rec.steps[name]`` keeps the per-call tensors. Rows are the cache's rows
 at each step: after a beam-search ``reorder`` earlier steps are not reordered. Record only eager calls: a
 replayed CUDA graph runs no Python, so it records nothing (decode with the eager step to capture).
 """
@@ -319,7 +322,8 @@ def image_attention(model: nn.Module, images: Tensor | Segment, method: Literal[
         raise ValueError(f"method must be 'rollout' or 'last', got {method!r}")
     device = next(model.parameters()).device
     if isinstance(images, Segment):
-        grid, tokens, positions = images.meta["grid"], images.tokens[None].to(device), images.positions_2d[None].to(device)
+        grid = images.meta["grid"]
+        tokens, positions = images.tokens[None].to(device), images.positions_2d[None].to(device)
         prefix = tokens.shape[1] - grid[0] * grid[1]  # the CLS row, when the tokenizer adds one
     elif isinstance(model, ImageClassifier):
         grid, prefix = (images.shape[-2] // model.patch_size, images.shape[-1] // model.patch_size), int(model.cls)
@@ -388,7 +392,8 @@ def packed_layout(batch: PackedBatch) -> list[DocumentSpan]:
         spans = []
         for s in segs.unique_consecutive().tolist():
             where = (segs == s).nonzero().flatten()
-            spans.append(SegmentSpan(int(s), segment_modality[int(s)], start + int(where[0]), start + int(where[-1]) + 1))
+            first, last = start + int(where[0]), start + int(where[-1])
+            spans.append(SegmentSpan(int(s), segment_modality[int(s)], first, last + 1))
         out.append(DocumentSpan(d, batch.keys[d], row, start, stop, tuple(spans)))
     return out
 
