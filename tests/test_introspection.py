@@ -152,6 +152,7 @@ def test_trunk_packed_capture_equals_fast_path(positions, mask):
         fast = trunk(x, batch.positions, m)
         with capture(trunk) as rec:
             slow = trunk(x, batch.positions, m)
+        assert torch.equal(trunk(x, batch.positions, m), fast)  # after the block: the fast path, bit for bit
     torch.testing.assert_close(slow, fast, **MODEL_TOL)
     assert sorted(rec.attention) == [f"trunk.blocks.{i}.attn" for i in range(3)]  # a bare Trunk is "trunk"
     dense = batch.attention_mask("dense")
