@@ -49,7 +49,8 @@ NEG_INF = float("-inf")
 
 def _prompts(model: Seq2SeqDecoder, memory: Tensor) -> Tensor:
     """(B, P) the prompt of every row."""
-    return torch.tensor(model.prompt, device=memory.device).expand(memory.shape[0], -1)
+    # long even when empty (a decoder-only LM's prompt is in its memory): (B, 0) then concatenates with ids
+    return torch.tensor(model.prompt, dtype=torch.long, device=memory.device).expand(memory.shape[0], -1)
 
 
 class CachedInference:

@@ -3,6 +3,9 @@ inherit). A model satisfies one by having the members; ``isinstance`` checks the
 
     Seq2SeqDecoder  what omni.decoding decodes: memory -> next-token logits, incrementally through a KV cache
                     (omni.speech.SpeechRecognizer, omni.multitask.PrefixLMTranscriber)
+    CausalLM        a decoder-only language model: ids -> hidden states -> next-token logits, through a KV cache
+                    (omni.generate.TextLM); omni.generate.PromptedLM decodes one as a Seq2SeqDecoder whose memory
+                    is the prompt
     LogitFilter     one decoding rule applied to the logits before a token is chosen (omni.decoding)
     Policy          what omni.rl.rollout steps: trajectory tokens -> action head output
                     (omni.rl.DecisionTransformer, omni.multitask.TrajectoryPolicy)
@@ -54,6 +57,34 @@ class Seq2SeqDecoder(Protocol):
         ...
 
 
+@runtime_checkable
+class CausalLM(Protocol):
+    """A decoder-only language model (omni.generate): every token sees the tokens before it and itself."""
+
+    eos_id: int  # ends a generated row
+    pad_id: int  # fills prompts to one length (never attended to)
+    max_positions: int | None  # positions the model has (a learned table), None: unbounded (RoPE, none)
+
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
+        """The weights (their device is where inputs go)."""
+        ...
+
+    def new_cache(self, batch_size: int, max_length: int) -> KVCache:
+        """An empty cache with room for ``max_length`` tokens per row."""
+        ...
+
+    def features(self, ids: Tensor, positions: Tensor, cache: KVCache | None = None, pad: Tensor | None = None,
+                 cache_position: Tensor | None = None) -> Tensor:
+        """ids (B, T) at positions (B, T) -> hidden states (B, T, d), causal. With a cache the tokens are appended
+        to it (``pad`` (B, T) marks tokens no later token sees; ``cache_position``: the slot of ids[:, 0] as a ()
+        long device tensor, else after what the cache holds); without one, ids is the whole sequence."""
+        ...
+
+    def head(self, features: Tensor) -> Tensor:
+        """Hidden states (..., d) -> next-token logits (..., V)."""
+        ...
+
+
 class LogitFilter(Protocol):
     """A decoding rule on the logits before the choice (Whisper's suppress-blank / suppressed tokens / timestamp
     rules would be more of these)."""
@@ -84,4 +115,4 @@ class Policy(Protocol):
     def eval(self) -> Any: ...
 
 
-__all__ = ["LogitFilter", "Policy", "Seq2SeqDecoder"]
+__all__ = ["CausalLM", "LogitFilter", "Policy", "Seq2SeqDecoder"]

@@ -207,6 +207,7 @@ def to_peer(export: str | os.PathLike, out: str | os.PathLike, peer: str, **opti
 
 # the converters register themselves; neither imports its peer library unless it is used
 from omni.interop import hf as _hf  # noqa: E402  (the "hf" converter; families register with it)
+from omni.interop import gpt2 as _gpt2  # noqa: E402  (HF GPT-2, and the GPT-2 body the DT shares)
 from omni.interop import hf_decision_transformer as _hf_dt  # noqa: E402
 from omni.interop import hf_vit as _hf_vit  # noqa: E402  (imports timm's module: it reuses its layout)
 from omni.interop import timm as _timm  # noqa: E402

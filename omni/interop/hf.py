@@ -3,7 +3,8 @@
 A Hugging Face checkpoint directory says what it is in config.json ``model_type``; each family module
 (hf_decision_transformer, whisper, gpt2, ...) registers an ``HFFamily`` for its model type, and this one
 converter named "hf" reads a directory with the family its config names, and writes an export back with the
-family whose export builders include the export's ``builder``.
+family whose export builders include the export's ``builder`` and, where a family gives one, whose ``accepts``
+takes the export's config (the generic "omni" builder makes many kinds of model: GPT-2 takes text LMs only).
 """
 
 from __future__ import annotations
@@ -20,12 +21,14 @@ from omni.interop import ConversionError, Converter, Export, register_converter
 @dataclass(frozen=True)
 class HFFamily:
     """``read(src_dir, **options) -> Export``; ``write(export_dir, out_dir, **options) -> out_dir``;
-    ``builders``: the export builders (config.json "builder") this family writes back."""
+    ``builders``: the export builders (config.json "builder") this family writes back; ``accepts(config)``: whether
+    it writes back this export (config.json), for a builder that makes other models too (None: every one)."""
 
     model_type: str
     read: Callable[..., Export]
     write: Callable[..., Path]
     builders: tuple[str, ...]
+    accepts: Callable[[Mapping[str, Any]], bool] | None = None
 
 
 HF_FAMILIES: dict[str, HFFamily] = {}
@@ -66,11 +69,12 @@ def read_hf(src: Path, **options: Any) -> Export:
 
 def write_hf(export: Path, out: Path, **options: Any) -> Path:
     try:
-        builder = json.loads((export / CONFIG_NAME).read_text()).get("builder")
+        config = json.loads((export / CONFIG_NAME).read_text())
+        builder = config.get("builder")
     except (OSError, ValueError, AttributeError) as exc:
         raise ConversionError(f"{export / CONFIG_NAME}: cannot read the export's config: {exc}") from exc
     for family in HF_FAMILIES.values():
-        if builder in family.builders:
+        if builder in family.builders and (family.accepts is None or family.accepts(config)):
             return family.write(export, out, **options)
     raise ConversionError(f"{export}: a {builder!r} model has no Hugging Face counterpart here "
                           f"(supported model types: {_supported()})")

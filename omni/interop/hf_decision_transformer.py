@@ -26,7 +26,8 @@ no transformers import is needed to convert it:
                                                                         the action path, handed back as they are
                                                                         (wpe row 0 from the type embedding)
 
-The trunk: positions "none", activation relu / gelu_new (= "gelu_tanh") / gelu, norm_eps =
+The trunk (the GPT-2 body omni.interop.gpt2 maps, shared): positions "none", activation relu / gelu_new
+(= "gelu_tanh", and its other spellings) / gelu, norm_eps =
 layer_norm_epsilon, mlp_ratio = n_inner / hidden_size, dropout = resid_pdrop (GPT-2's residual dropout, the
 same place). HF's embedding (embd_pdrop) and attention-probability (attn_pdrop) dropout have no omni
 counterpart: training differs by those, inference is the same. Not expressible, so refused:
@@ -53,6 +54,8 @@ from torch import Tensor
 
 from omni.export import load_config, load_pretrained, load_tokenizers, save_pretrained, write_json
 from omni.interop import ConversionError, read_directory
+from omni.interop.gpt2 import (IGNORED_SUFFIXES, body_hf_config, body_tensor_names, body_trunk_options,
+                                check_body, named_pairs)
 from omni.interop.hf import HFFamily, register_hf_family
 from omni.rl import DecisionTransformer, action_bounds, build_decision_transformer
 from omni.tokenizers.trajectory import TrajectoryTokenizer
@@ -60,15 +63,9 @@ from omni.trunk import TrunkConfig
 
 MODEL_TYPE = "decision_transformer"
 SOURCE_FORMAT = "transformers:" + MODEL_TYPE
-# HF activation_function -> TrunkConfig.activation, and back
-ACTIVATIONS = {"relu": "relu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
-HF_ACTIVATIONS = {"relu": "relu", "gelu_tanh": "gelu_new", "gelu": "gelu"}
 CARRIED = ("encoder.wte.weight", "encoder.wpe.weight", "predict_state.weight", "predict_state.bias",
            "predict_return.weight", "predict_return.bias")
 TYPE_EMBEDDING = "embed.type_embedding.weight"  # = encoder.wpe.weight[0]
-IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias")  # GPT-2's causal-mask buffers in older checkpoints
-BLOCK = (("attn_norm", "ln_1", False), ("attn.qkv", "attn.c_attn", True), ("attn.out", "attn.c_proj", True),
-         ("mlp_norm", "ln_2", False), ("mlp.up", "mlp.c_fc", True), ("mlp.down", "mlp.c_proj", True))
 # omni's additions to the HF config (ignored by transformers): the tokenizer's part of the policy
 TOKENIZER_KEYS = ("state_mean", "state_std", "rtg_scale", "context")
 
@@ -77,32 +74,15 @@ def tensor_names(n_layers: int) -> list[tuple[str, str, bool]]:
     """(omni name, HF name, transposed: a GPT-2 Conv1D weight) for every tensor mapped one to one."""
     pairs = [("embed.embed_timestep.weight", "embed_timestep.weight", False)]
     modules = [(f"embed.{m}", m, False) for m in ("embed_return", "embed_state", "embed_action", "embed_ln")]
-    modules += [(f"trunk.blocks.{i}.{omni}", f"encoder.h.{i}.{hf}", conv)
-                for i in range(n_layers) for omni, hf, conv in BLOCK]
-    modules += [("trunk.norm", "encoder.ln_f", False), ("head.proj", "predict_action.0", False)]
-    for omni, hf, conv in modules:
-        pairs += [(f"{omni}.weight", f"{hf}.weight", conv), (f"{omni}.bias", f"{hf}.bias", False)]
-    return pairs
+    modules += [("head.proj", "predict_action.0", False)]
+    return pairs + named_pairs(modules) + body_tensor_names(n_layers, "encoder")
 
 
 def trunk_config(hf: Mapping[str, Any]) -> TrunkConfig:
     """The TrunkConfig of a HF DecisionTransformerConfig (dict); ValueError for what omni cannot express."""
-    refused = {"scale_attn_by_inverse_layer_idx": True, "scale_attn_weights": False,
-               "add_cross_attention": True}
-    for key, bad in refused.items():
-        if hf.get(key, not bad) == bad:
-            raise ValueError(f"HF Decision Transformer with {key}={bad} has no omni counterpart")
-    act = hf.get("activation_function", "relu")
-    if act not in ACTIVATIONS:
-        raise ValueError(f"activation_function {act!r} has no omni counterpart; supported: {', '.join(ACTIVATIONS)}")
-    d = int(hf.get("hidden_size", 128))
-    inner = hf.get("n_inner") or 4 * d
-    cfg = TrunkConfig(d_model=d, n_layers=int(hf.get("n_layer", 3)), n_heads=int(hf.get("n_head", 1)),
-                      activation=ACTIVATIONS[act], mlp_ratio=inner / d, positions="none",
-                      norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)), dropout=float(hf.get("resid_pdrop", 0.1)))
-    if int(cfg.mlp_ratio * d) != inner:
-        raise ValueError(f"n_inner={inner} is not representable as mlp_ratio * hidden_size={d}")
-    return cfg
+    options = body_trunk_options(hf, int(hf.get("hidden_size", 128)), what="HF Decision Transformer", n_layer=3,
+                                 n_head=1, activation="relu")
+    return TrunkConfig(**options, positions="none")
 
 
 def trajectory_tokenizer(hf: Mapping[str, Any], **overrides: Any) -> TrajectoryTokenizer:
@@ -161,11 +141,7 @@ def to_hf(source: str | os.PathLike | DecisionTransformer, config: Mapping[str, 
     if not model.use_returns or model.discrete:
         raise ValueError("HF's Decision Transformer has return-to-go tokens and continuous actions: "
                          "a behaviour-cloning or discrete-action model has no HF counterpart")
-    layout = (cfg.positions, cfg.norm, getattr(cfg, "final_norm", True), cfg.bias, cfg.kv_heads == cfg.n_heads,
-              cfg.cross_attention)
-    if layout != ("none", "layernorm", True, True, True, False) or cfg.activation not in HF_ACTIVATIONS:
-        raise ValueError(f"HF's GPT-2 trunk needs positions='none', layernorm with a final norm, bias, n_kv_heads="
-                         f"n_heads, no cross attention and activation in {sorted(HF_ACTIVATIONS)}; got {cfg}")
+    check_body(cfg, "none")
     if not (torch.equal(model.action_center, torch.zeros_like(model.action_center))
             and torch.equal(model.action_scale, torch.ones_like(model.action_scale))):
         raise ValueError("HF's action head has no rescaling: the tokenizer's action bounds must be [-1, 1]")
@@ -181,16 +157,12 @@ def to_hf(source: str | os.PathLike | DecisionTransformer, config: Mapping[str, 
     sd.update({name: carried[name] if name in carried else torch.zeros(blank[name]) for name in CARRIED})
     sd["encoder.wpe.weight"] = torch.cat([own[TYPE_EMBEDDING][None], sd["encoder.wpe.weight"][1:]])
     sd = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in sd.items()}
-    act = source_cfg.get("activation_function")  # kept where it names the same function (gelu_pytorch_tanh)
     inner = model.trunk.blocks[0].mlp.up.out_features
     hf_config = {**source_cfg, "model_type": MODEL_TYPE, "architectures": ["DecisionTransformerModel"],
                  "state_dim": model.embed.state_dim, "act_dim": model.embed.action_cols, "hidden_size": d,
                  "max_ep_len": model.embed.max_timestep, "action_tanh": model.head.squash == "tanh",
-                 "n_positions": sd["encoder.wpe.weight"].shape[0], "n_layer": cfg.n_layers, "n_head": cfg.n_heads,
-                 "n_inner": None if inner == 4 * d else inner, "layer_norm_epsilon": cfg.norm_eps,
-                 "activation_function": act if ACTIVATIONS.get(act) == cfg.activation
-                 else HF_ACTIVATIONS[cfg.activation],
-                 "resid_pdrop": cfg.dropout}
+                 "n_positions": sd["encoder.wpe.weight"].shape[0],
+                 **body_hf_config(cfg, inner, source_cfg.get("activation_function"))}
     for key in ("embd_pdrop", "attn_pdrop"):
         hf_config.setdefault(key, cfg.dropout)
     if tokenizer is not None:
