@@ -383,3 +383,77 @@ def test_crop_policy_tokenizer():
         ImageTokenizer(8, policy="crop")
     with pytest.raises(ValueError, match="crop_pct is the centre crop's share"):
         ImageTokenizer(8, image_size=16, crop_pct=0.9)
+
+
+# ----------------------------------------------------------------------------------------------------
+# What omni's ImageClassifier cannot hold is refused, naming the architecture and the feature
+
+
+@pytest.mark.parametrize("kwargs,feature", [
+    ({"init_values": 1e-5}, "layer scale (init_values)"),
+    ({"reg_tokens": 4}, "register tokens (reg_tokens=4)"),
+    ({"pre_norm": True}, "a patch embedding without bias (CLIP-style, pre_norm)"),
+    ({"no_embed_class": True}, "no_embed_class"),
+    ({"qk_norm": True}, "qk, attention or MLP norms"),
+    ({"scale_mlp_norm": True}, "qk, attention or MLP norms"),
+    ({"proj_bias": False}, "projections without bias (proj_bias=False)"),
+    ({"global_pool": "map"}, "global_pool 'map'"),
+    ({"global_pool": "avg", "pool_include_prefix": False}, "'avg' pooling without the class token"),
+    ({"num_classes": 0}, "no classifier head (num_classes=0)"),
+    ({"img_size": (32, 48)}, "not a square input"),
+], ids=lambda v: str(v) if isinstance(v, dict) else None)
+def test_unsupported_timm_features_are_refused(kwargs, feature):
+    from omni.interop.timm import describe, timm_model
+
+    with pytest.raises(ConversionError) as info:
+        describe(timm_model("vit_tiny_patch16_224", **{**SMALL, **kwargs}))
+    message = str(info.value)
+    assert message.startswith("vit_tiny_patch16_224: ") and feature in message and "\n" not in message, message
+
+
+def test_attention_heads_of_another_width_are_refused():
+    """attn_head_dim is an Attention argument (no VisionTransformer one): a timm ViT with such blocks."""
+    from timm.layers import Attention
+
+    from omni.interop.timm import describe, timm_model
+
+    model = timm_model("vit_tiny_patch16_224", **SMALL)
+    for block in model.blocks:
+        block.attn = Attention(64, num_heads=2, qkv_bias=True, attn_head_dim=16, device="meta")
+    with pytest.raises(ConversionError, match="attention heads narrower or wider than embed_dim / num_heads"):
+        describe(model)
+
+
+@pytest.mark.parametrize("mode,pct,refused", [("center", 0.9, False), ("squash", 1.0, False),
+                                              ("squash", 0.9, True), ("border", 0.9, True)])
+def test_data_config_crop_modes(mode, pct, refused):
+    """timm's eval crop: "center" is policy crop, "squash" at crop_pct 1 policy resize; others are refused."""
+    from omni.interop.timm import from_timm
+
+    peer = timm_vit(seed=12, **SMALL)
+    peer.pretrained_cfg = {**peer.pretrained_cfg, "crop_mode": mode, "crop_pct": pct}
+    if refused:
+        with pytest.raises(ConversionError, match=f"vit_tiny_patch16_224: timm's data config crop_mode '{mode}'"):
+            from_timm(peer.state_dict(), peer)
+        return
+    config, state_dict, tokenizers = from_timm(peer.state_dict(), peer)
+    tok = tokenizers["image"]
+    assert (tok.policy, tok.crop_pct) == (("crop", 0.9) if mode == "center" else ("resize", None))
+    x = images(2, 32)
+    assert (timm_logits(peer, x) - omni_logits(build(config, state_dict, tokenizers), x)).abs().max() <= 1e-4
+
+
+@pytest.mark.parametrize("kwargs", [{"global_pool": "token", "fc_norm": True},
+                                    {"global_pool": "avg", "fc_norm": False, "pool_include_prefix": True}],
+                         ids=["token-fc-norm", "avg-final-norm"])
+def test_fc_norm_either_way_converts(kwargs, tmp_path):
+    """fc_norm is the head norm (no trunk norm); "avg" without it pools after the trunk's final norm: both exact,
+    both back to timm bit-exact."""
+    peer = timm_vit(seed=13, **{**SMALL, **kwargs})
+    export = convert(hub_dir(peer, tmp_path / "timm"), tmp_path / "omni")
+    model = load_pretrained(export)
+    x = images(2, 32)
+    assert (timm_logits(peer, x) - omni_logits(model, x)).abs().max() <= 1e-4
+    assert (model.head.norm_eps is not None) == kwargs["fc_norm"] and model.trunk.cfg.final_norm != kwargs["fc_norm"]
+    back = timm.create_model(f"local-dir:{to_peer(export, tmp_path / 'back', 'timm')}", pretrained=True)
+    assert all(torch.equal(back.state_dict()[k], v) for k, v in peer.state_dict().items())

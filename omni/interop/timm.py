@@ -25,11 +25,16 @@ timm leaves out, e.g. qkv_bias=False, is a zero tensor in omni and is left out a
 The tokenizer carries timm's data config: policy "crop" with timm's crop_pct resizes the shorter side to
 floor(size / crop_pct) with timm's interpolation and cuts the centre, then mean / std; alpha is dropped as PIL's
 convert("RGB") does. So ``omni predict`` preprocesses image files as timm's eval transform, to the bit (crop_mode
-"center"; other modes are refused), but for EXIF orientation, which omni applies and timm's PIL pipeline does not.
+"center"), but for EXIF orientation, which omni applies and timm's PIL pipeline does not. crop_mode "squash" at
+crop_pct 1 (the whole image to size x size, what omni's policy "resize" writes back) is policy "resize" (resized in
+float: within the 8-bit rounding of timm's PIL resize); other crop modes are refused.
 
-Refused, naming it: other model classes, layer scale (init_values), register tokens, no_embed_class, pre_norm,
-qk / attention / MLP norms, attention pooling, "avg" pooling that leaves the class token out, num_classes=0,
-norms with different eps, a non-square input.
+Refused, one line naming the architecture and the feature: other model classes, layer scale (init_values),
+register tokens (reg_tokens), no_embed_class, CLIP-style pre_norm (a norm before the blocks, no patch bias), a
+patch-embedding norm, qk / attention / MLP norms, attention heads of another width (attn_head_dim), projections
+without bias (proj_bias=False), gated attention, attention pooling ("map") and other pools, "avg" pooling that
+leaves the class token out, num_classes=0, norms with different eps, a non-square input, data configs with other
+crop modes or resampling. fc_norm converts: it is the head norm (with "avg" or "token" pooling).
 """
 
 from __future__ import annotations
@@ -109,19 +114,24 @@ def _unsupported(model: nn.Module) -> str | None:
     if type(model) is not VisionTransformer:
         return f"{type(model).__name__} is not timm's VisionTransformer (vision_transformer.py)"
     pe = model.patch_embed
-    if (type(pe) is not PatchEmbed or not isinstance(pe.norm, nn.Identity) or pe.proj.stride != pe.proj.kernel_size
-            or pe.proj.padding != (0, 0) or pe.dynamic_img_pad or pe.proj.bias is None or len(set(pe.img_size)) > 1):
-        return "the patch embedding is not a square input cut into square patches (Conv2d, stride = kernel, no norm)"
+    if type(pe) is PatchEmbed and not isinstance(pe.norm, nn.Identity):
+        return "it has a norm on the patch embedding (embed_norm_layer)"
+    if type(pe) is PatchEmbed and pe.proj.bias is None:
+        return "it has a patch embedding without bias (CLIP-style, pre_norm)"
+    if (type(pe) is not PatchEmbed or pe.proj.stride != pe.proj.kernel_size or pe.proj.padding != (0, 0)
+            or pe.dynamic_img_pad or len(set(pe.img_size)) > 1):
+        return "the patch embedding is not a square input cut into square patches (Conv2d, stride = kernel)"
     blocks = list(model.blocks)
     if any(type(b) is not Block or type(b.attn) is not Attention or type(b.mlp) is not Mlp for b in blocks):
         return "its blocks are not pre-norm Block(Attention, Mlp)"
+    d = model.embed_dim
     norms = [m for b in blocks for m in (b.norm1, b.norm2)] + [m for m in (model.norm, model.fc_norm)
                                                                if not isinstance(m, nn.Identity)]
     problems = {
-        "register tokens": model.reg_token is not None,
+        f"register tokens (reg_tokens={model.num_reg_tokens})": model.reg_token is not None,
         "no_embed_class": model.no_embed_class,
         "no position table": model.pos_embed is None,
-        "pre_norm": not isinstance(model.norm_pre, nn.Identity),
+        "a norm before the blocks (CLIP-style pre_norm)": not isinstance(model.norm_pre, nn.Identity),
         f"global_pool {model.global_pool!r}": model.attn_pool is not None or model.global_pool not in ("token", "avg"),
         "'avg' pooling without the class token": (model.global_pool == "avg" and model.has_class_token
                                                   and not model.pool_include_prefix),
@@ -130,6 +140,10 @@ def _unsupported(model: nn.Module) -> str | None:
         "qk, attention or MLP norms": any(not isinstance(m, nn.Identity) for b in blocks
                                           for m in (b.attn.q_norm, b.attn.k_norm, b.attn.norm, b.mlp.norm)),
         "gated attention": any(getattr(b.attn, "gate", None) is not None for b in blocks),
+        "attention heads narrower or wider than embed_dim / num_heads (attn_head_dim)": any(
+            b.attn.qkv.out_features != 3 * d or b.attn.proj.in_features != d for b in blocks),
+        "projections without bias (proj_bias=False)": any(
+            m.bias is None for b in blocks for m in (b.attn.proj, b.mlp.fc1, b.mlp.fc2)),
         "an activation other than GELU": any(_activation(b.mlp.act) is None for b in blocks),
         "norms other than LayerNorm with weight and bias": any(
             not isinstance(m, nn.LayerNorm) or m.weight is None or m.bias is None for m in norms),
@@ -137,6 +151,23 @@ def _unsupported(model: nn.Module) -> str | None:
         "blocks of different sizes": len({(b.mlp.fc1.out_features, b.attn.num_heads) for b in blocks}) > 1,
     }
     return next((f"it has {what}" for what, bad in problems.items() if bad), None)
+
+
+def _eval_transform(data: Mapping[str, Any], arch: str) -> dict[str, Any]:
+    """ImageTokenizer arguments for timm's data config (its input_size is the architecture's default, not the
+    model's img_size: the model's is the tokenizer's image_size): crop_mode "center" is policy "crop" with its crop_pct,
+    "squash" at crop_pct 1 is policy "resize" (the whole image to size x size); ConversionError for the rest."""
+    mode, pct, interpolation = data.get("crop_mode", "center"), float(data.get("crop_pct", 1.0)), data["interpolation"]
+    if interpolation not in ("bilinear", "bicubic", "nearest"):
+        raise ConversionError(f"{arch}: timm's data config resamples with {interpolation!r}; omni resizes with "
+                              "bilinear, bicubic or nearest")
+    common = {"interpolation": interpolation, "mean": data["mean"], "std": data["std"]}
+    if mode == "center":
+        return {"policy": "crop", "crop_pct": pct, **common}
+    if mode == "squash" and pct == 1.0:
+        return {"policy": "resize", **common}
+    raise ConversionError(f"{arch}: timm's data config crop_mode {mode!r} (crop_pct {pct}): omni preprocesses with a "
+                          "centre crop, or a squash to the input size at crop_pct 1")
 
 
 def describe(model: nn.Module) -> dict[str, Any]:
@@ -188,13 +219,9 @@ def from_timm(state_dict: Mapping[str, Tensor], model: nn.Module, source: Mappin
     desc, arch = describe(model), model.pretrained_cfg.get("architecture", "")
     check_tensors(state_dict, {k: v.shape for k, v in model.state_dict().items()}, f"a timm {arch} state dict")
     data = timm.data.resolve_data_config({}, model=model)
-    if data.get("crop_mode", "center") != "center" or data["interpolation"] not in ("bilinear", "bicubic", "nearest"):
-        raise ConversionError(f"{arch}: timm's data config {data} is not a centre crop with bilinear, bicubic or "
-                              "nearest resampling")
     size, patch, cls = desc["img_size"], desc["patch_size"], desc["class_token"]
-    image = ImageTokenizer(patch, channels=desc["in_chans"], image_size=size, policy="crop",
-                           crop_pct=data["crop_pct"], interpolation=data["interpolation"],
-                           mean=data["mean"], std=data["std"], cls=cls, positions="sequence", alpha="drop")
+    image = ImageTokenizer(patch, channels=desc["in_chans"], image_size=size, cls=cls, positions="sequence",
+                           alpha="drop", **_eval_transform(data, arch))
     trunk = TrunkConfig(d_model=desc["embed_dim"], n_layers=desc["depth"], n_heads=desc["num_heads"],
                         activation=desc["act_layer"], mlp_ratio=desc["mlp_ratio"], norm_eps=desc["norm_eps"],
                         final_norm=desc["final_norm"] and not desc["fc_norm"], positions="learned_1d",
