@@ -183,14 +183,34 @@ def _run_on_files(args: argparse.Namespace, files: Sequence[str], run: Callable[
 
 
 def _predict(args: argparse.Namespace) -> int:
-    from omni.vision import predict_files
+    from omni.vision import attention_paths, predict_files
 
-    return _run_on_files(
-        args, args.images,
-        lambda checkpoint: predict_files(checkpoint, args.images, top_k=args.top_k, device=args.device,
-                                         return_exceptions=True),
-        text=lambda top: ", ".join(f"{name} {p:.3f}" for name, p in top),
-        entry=lambda top: {"top_k": [{"label": name, "probability": p} for name, p in top]})
+    pictures: dict[str, str] = {}
+    if args.attention is not None:
+        from omni.deps import MissingDependency, require
+
+        try:
+            require("matplotlib", "viz")
+        except MissingDependency as exc:
+            raise UsageError(f"--attention draws pictures: {exc}") from exc
+        if Path(args.attention).exists() and not Path(args.attention).is_dir():
+            raise UsageError(f"--attention {args.attention}: not a directory")
+        pictures = {f: str(p) for f, p in zip(args.images, attention_paths(args.images, args.attention))}
+
+    def run(checkpoint: Path) -> list[Any]:  # (file, top-k) per readable file: its json entry names its picture
+        results = predict_files(checkpoint, args.images, top_k=args.top_k, device=args.device, return_exceptions=True,
+                                attention=args.attention, attention_method=args.attention_method)
+        return [r if isinstance(r, Exception) else (f, r) for f, r in zip(args.images, results)]
+
+    def entry(result: tuple[str, list[tuple[str, float]]]) -> dict[str, Any]:
+        f, top = result
+        row: dict[str, Any] = {"top_k": [{"label": name, "probability": p} for name, p in top]}
+        if f in pictures:
+            row["attention"] = pictures[f]
+        return row
+
+    return _run_on_files(args, args.images, run, text=lambda r: ", ".join(f"{name} {p:.3f}" for name, p in r[1]),
+                         entry=entry)
 
 
 def _transcribe(args: argparse.Namespace) -> int:
@@ -251,6 +271,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("predict", help="classify image files with an exported image classifier (recipes/vit.py)")
     _add_inference_options(p, "runs/vit/final")
     p.add_argument("--top-k", type=_positive_int, default=5, help="classes shown per image (default: 5)")
+    p.add_argument("--attention", metavar="DIR", default=None,
+                   help="also write DIR/<name>.png per image: the image under its attention heat map (over the "
+                        "patch grid) with its top-k in the title (needs matplotlib: pip install -e \".[viz]\")")
+    p.add_argument("--attention-method", choices=("rollout", "last"), default="rollout",
+                   help="rollout: attention rollout over every layer; last: the last layer's attention, read by "
+                        "the query the head pools (CLS or the mean of all tokens) (default: rollout)")
     p.add_argument("images", nargs="+", help="image files of any size, mode and format (PNG, JPEG, ...)")
     p.set_defaults(func=_predict)
     p = sub.add_parser("transcribe", help="speech to text with an exported speech recognizer (recipes/whisper.py)")

@@ -14,13 +14,33 @@
 * Conditions: model in eval mode (train mode restored after), ``torch.no_grad``, the mixed-precision
   autocast, and every RNG stream (python, numpy, torch, CUDA) saved before and restored after, so training
   continues exactly as without evaluation. Collective: call it on every rank.
+
+What a person looks at, beside the numbers (``Pictures``, built by the Trainer from its config):
+
+* ``MetricHistory``: every scalar the run logs (training windows, with each step's loss, and evaluations), kept in
+  memory and appended to ``output_dir/history.jsonl`` (one JSON object per logged step, each written by one
+  ``write`` to a file opened for appending, so a line is whole or absent). A resumed run first drops the lines
+  after its checkpoint's step (those steps are trained again) and so the curves always cover the whole run.
+* ``output_dir/curves.png``: ``omni.plots.training_curves`` of that history, drawn at every evaluation, at the end
+  of training and when a signal stops it.
+* Samples: ``samples_fn(model, step) -> [omni.plots.Picture | Clip | Note]`` (a recipe's, or its tasks'
+  ``Task.samples``) runs after each evaluation on the main process, under the evaluation's conditions (eval mode, no gradients,
+  autocast, RNG streams restored) with the plain module; its pictures, audio clips and texts go to
+  TensorBoard (``add_image``, ``add_audio``, ``add_text``). Not under FSDP (every forward is collective there).
+* matplotlib is optional (the ``viz`` extra): without it one warning line says how to install it and the run
+  goes on without pictures. A picture that fails to draw is a warning too: it never fails a trained run.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
+import math
+import os
 import random
-from typing import Any, Callable, Iterable, Iterator, Mapping
+import warnings
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -30,6 +50,9 @@ from omni.steps import Loss, prepare_data, to_device
 
 EvalFn = Callable[[nn.Module, Any], Mapping[str, Tensor]]
 ModelMetricsFn = Callable[[nn.Module, int], Mapping[str, float | Tensor]]
+SamplesFn = Callable[[nn.Module, int], Sequence[Any]]  # -> omni.plots.Picture | Clip | Note items
+HISTORY_NAME = "history.jsonl"
+CURVES_NAME = "curves.png"
 
 
 @contextlib.contextmanager
@@ -141,4 +164,168 @@ class Evaluator:
         return out
 
 
-__all__ = ["Evaluator", "preserved_rng"]
+# ----------------------------------------------------------------------------------------------------
+# The run's history and its pictures
+
+
+def read_history(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """The records of a history file (``MetricHistory``); [] when there is none. A line that is not a JSON
+    object with a ``step`` (a write cut short by a crash) is skipped with one warning naming the file."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return []
+    records, bad = [], 0
+    for line in text.splitlines():
+        try:
+            rec = json.loads(line)
+            if not isinstance(rec, dict) or not isinstance(rec.get("step"), int):
+                raise ValueError
+        except ValueError:
+            bad += line.strip() != ""
+            continue
+        records.append(rec)
+    if bad:
+        warnings.warn(f"omni.train: {path}: skipped {bad} unreadable line{'s' if bad > 1 else ''} (a write cut "
+                      "short?)", stacklevel=2)
+    return records
+
+
+class MetricHistory:
+    """Every scalar a run logged: ``records`` ({"step": s, name: value, ...}) in memory and, when ``path`` is
+    given (the main process), appended to that JSON-lines file (module docstring)."""
+
+    def __init__(self, path: str | os.PathLike | None) -> None:
+        self.path = Path(path) if path is not None else None
+        self.records: list[dict[str, Any]] = []
+
+    def restore(self, step: int) -> None:
+        """Start at optimizer step ``step`` (a resumed checkpoint's, 0 for a fresh run): the file's records up to
+        it are kept, later ones (steps trained again) dropped, the file rewritten atomically."""
+        if self.path is None:
+            return
+        self.records = [r for r in read_history(self.path) if r["step"] <= step]
+        if not self.records and not self.path.exists():
+            return
+        tmp = self.path.with_name(f".{self.path.name}.tmp-{os.getpid()}")
+        try:
+            with open(tmp, "w", encoding="utf-8") as f:
+                f.writelines(_line(r) for r in self.records)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+
+    def append(self, step: int, values: Mapping[str, Any]) -> None:
+        """Record ``values`` logged at ``step`` (floats, or lists of floats)."""
+        record = {"step": int(step), **values}
+        self.records.append(record)
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            try:
+                os.write(fd, _line(record).encode("utf-8"))  # one write: the line is whole or absent
+            finally:
+                os.close(fd)
+
+
+def _line(record: Mapping[str, Any]) -> str:
+    def number(v: Any) -> Any:  # NaN / inf as strings: the file stays strict JSON for any reader
+        return v if not isinstance(v, float) or math.isfinite(v) else str(v)
+
+    return json.dumps({k: [number(x) for x in v] if isinstance(v, list) else number(v)
+                       for k, v in record.items()}, separators=(",", ":")) + "\n"
+
+
+class Pictures:
+    """The run's pictures (module docstring): ``curves()`` writes ``output_dir/curves.png`` from ``history``;
+    ``samples(model, step)`` logs ``samples_fn``'s items to TensorBoard. Only the main process draws or writes.
+    ``title``: the curves' title (the run name)."""
+
+    def __init__(self, accelerator: Any, output_dir: str | os.PathLike, history: MetricHistory,
+                 samples_fn: SamplesFn | None = None, title: str | None = None) -> None:
+        self.accelerator, self.history, self.samples_fn, self.title = accelerator, history, samples_fn, title
+        self.path = Path(output_dir) / CURVES_NAME
+        self.enabled = accelerator.is_main_process
+
+    def curves(self) -> Path | None:
+        """Draw the training curves to ``output_dir/curves.png`` (None when nothing was drawn)."""
+        if not self.enabled or not self.history.records:
+            return None
+        from omni.plots import training_curves
+
+        return self.path if self._draw("the training curves", lambda: training_curves(
+            self.history.records, self.path, title=self.title)) is not None else None
+
+    def samples(self, model: nn.Module, step: int) -> int:
+        """Run ``samples_fn`` on the plain ``model`` under the evaluation's conditions and log its items to
+        TensorBoard at ``step``; the number of items logged."""
+        if self.samples_fn is None or not self.enabled or self.accelerator.distributed_type == "FSDP":
+            return 0
+        writer = self.writer()
+        if writer is None:
+            return 0
+        was_training = model.training
+        model.eval()
+        try:
+            with preserved_rng(), torch.no_grad(), self.accelerator.autocast():
+                items = self._draw("the sample pictures", lambda: list(self.samples_fn(model, step)))
+        finally:
+            model.train(was_training)
+        return log_items(writer, items or [], step)
+
+    def writer(self) -> Any:
+        """The TensorBoard SummaryWriter of the run's trackers (None without one)."""
+        for tracker in getattr(self.accelerator, "trackers", []):
+            if getattr(tracker, "name", None) == "tensorboard":
+                return tracker.writer
+        return None
+
+    def _draw(self, what: str, draw: Callable[[], Any]) -> Any:
+        return drawn(what, draw)
+
+
+_WARNED_MISSING = False
+
+
+def drawn(what: str, draw: Callable[[], Any], prog: str = "omni.train") -> Any:
+    """``draw()``, or None with one warning line ``<prog>: ...`` when it cannot: matplotlib missing (said once
+    per process, with the install line), or the picture failing to draw (a picture is never worth a run)."""
+    from omni.deps import MissingDependency
+
+    global _WARNED_MISSING
+    try:
+        return draw()
+    except MissingDependency as exc:
+        if not _WARNED_MISSING:
+            _WARNED_MISSING = True
+            warnings.warn(f"{prog}: {exc}: no pictures (training curves, samples) are drawn", stacklevel=3)
+    except Exception as exc:
+        warnings.warn(f"{prog}: could not draw {what}: {type(exc).__name__}: {' '.join(str(exc).split())}",
+                      stacklevel=3)
+    return None
+
+
+def log_items(writer: Any, items: Sequence[Any], step: int) -> int:
+    """Log ``omni.plots.Picture`` / ``Clip`` / ``Note`` items to a TensorBoard SummaryWriter at ``step``; the number logged."""
+    from omni.plots import Clip, Note, Picture
+
+    for item in items:
+        if isinstance(item, Picture):
+            writer.add_image(item.tag, np.asarray(item.image), step, dataformats="HWC")
+        elif isinstance(item, Clip):
+            wave = torch.as_tensor(np.asarray(item.waveform, dtype=np.float32)).clamp(-1, 1).reshape(1, -1)
+            writer.add_audio(item.tag, wave, step, sample_rate=int(item.sample_rate))
+            writer.add_text(item.tag, item.text, step)
+        elif isinstance(item, Note):
+            writer.add_text(item.tag, item.text, step)
+        else:
+            raise TypeError(f"a sample item must be an omni.plots.Picture, Clip or Note, got {type(item).__name__}")
+    writer.flush()
+    return len(items)
+
+
+__all__ = ["CURVES_NAME", "Evaluator", "HISTORY_NAME", "MetricHistory", "Pictures", "SamplesFn", "drawn", "log_items",
+           "preserved_rng", "read_history"]

@@ -10,7 +10,9 @@ under DDP rank 0's parameters are broadcast anyway.
 ``Trainer`` sets up Accelerate, the optimizer and the schedule, and coordinates components that each own one
 job and document it: ``omni.steps`` (the training data stream, and the step strategy: ``EagerStep``, or
 ``GraphedStep`` with ``cuda_graph``), ``omni.checkpointing`` (``Checkpointer``: checkpoints and resume),
-``omni.evaluation`` (``Evaluator``) and ``omni.export`` (the final model). What a run guarantees, and the
+``omni.evaluation`` (``Evaluator``; ``MetricHistory`` and ``Pictures``: the logged scalars kept in
+``output_dir/history.jsonl``, the training curves drawn to ``output_dir/curves.png``, sample pictures and audio to
+TensorBoard) and ``omni.export`` (the final model). What a run guarantees, and the
 traps it avoids (the project's research notes on Accelerate/webdataset pitfalls, numbered there):
 
 * Data. ``train_data`` is any re-iterable of batches. Objects that expose ``state_dict``/``set_epoch``
@@ -90,7 +92,7 @@ from omni import export as _export
 from omni.checkpointing import (RESUME_IGNORED, RESUME_MODES, Checkpointer, ResumeMismatchError, RunExistsError,
                                 config_differences, flatten_config, latest_checkpoint, list_checkpoints, on_main,
                                 run_config)
-from omni.evaluation import EvalFn, Evaluator, ModelMetricsFn
+from omni.evaluation import HISTORY_NAME, EvalFn, Evaluator, MetricHistory, ModelMetricsFn, Pictures, SamplesFn
 from omni.export import DiskFullError, IntegrityError
 from omni.lock import DirectoryLock, LockedError
 from omni.steps import DataStream, Loss, LossOutput, NonFiniteLossError, batch_keys, build_step
@@ -431,10 +433,10 @@ class _Progress:
 
     RECORD = frozenset({"loss", "lr", "grad_norm", "tokens", "samples"})  # the rest: loss_fn's metrics
 
-    def __init__(self, accelerator: Any, config: TrainConfig, step: int) -> None:
+    def __init__(self, accelerator: Any, config: TrainConfig, step: int, history: MetricHistory) -> None:
         from tqdm.auto import tqdm
 
-        self.accelerator, self.config = accelerator, config
+        self.accelerator, self.config, self.history = accelerator, config, history
         show_bar = accelerator.is_main_process and config.progress and _is_terminal(sys.stderr)
         self.print_lines = accelerator.is_main_process and not show_bar
         self.bar = tqdm(total=config.steps, initial=step, desc="train", dynamic_ncols=True, disable=not show_bar)
@@ -457,6 +459,8 @@ class _Progress:
         seconds = max(time.perf_counter() - self.t0, 1e-9)
         logged = self._summarise(seconds, epoch)
         self.accelerator.log(logged, step=step)
+        # each step's loss too: the curves show the raw loss beside the smoothed one
+        self.history.append(step, {**logged, "train/loss_per_step": [r["loss"] for r in self.window]})
         self.bar.set_postfix(loss=f"{logged['train/loss']:.4g}", lr=f"{logged['train/lr']:.3g}")
         if self.print_lines:
             shown = ", ".join(f"{k.removeprefix('train/')} {v:.4g}" for k, v in logged.items())
@@ -478,6 +482,7 @@ class _Progress:
 
     def evaluated(self, step: int, metrics: Mapping[str, float]) -> None:
         self.accelerator.log(dict(metrics), step=step)
+        self.history.append(step, metrics)
         if self.accelerator.is_main_process and metrics:
             self.bar.write(f"step {step}: " + ", ".join(f"{k} {v:.4g}" for k, v in metrics.items()))
 
@@ -518,6 +523,10 @@ class Trainer:
         submodules outside the root forward see only their shards), so a data-dependent loop (decoding,
         rollouts) cannot run there: pass no hook and measure the exported model instead
         (recipes/multimodal.py does so, once at the end, on the main process).
+    samples_fn(model, step) -> [omni.plots.Picture | Clip | Note]
+        what a person looks at after each evaluation (predictions on a few images, a few transcribed clips, a
+        return plot), logged to TensorBoard as images, audio and text (``omni.evaluation.Pictures``); called on
+        the main process with the plain module, under the evaluation's conditions; not under FSDP.
     param_groups(model) -> AdamW param groups; default ``default_param_groups``.
     hparams: extra (nested) config logged to TensorBoard next to TrainConfig (flattened).
     export_config / export_tokenizers / export_module: what ``omni.export.save_pretrained`` writes to
@@ -527,7 +536,8 @@ class Trainer:
 
     Components (built here, each documented in its module): ``data`` (``omni.steps.DataStream``),
     ``stepper`` (``omni.steps.EagerStep`` / ``GraphedStep``), ``evaluator`` (``omni.evaluation.Evaluator``),
-    ``checkpointer`` (``omni.checkpointing.Checkpointer``).
+    ``checkpointer`` (``omni.checkpointing.Checkpointer``), ``history`` and ``pictures``
+    (``omni.evaluation.MetricHistory``, ``Pictures``: history.jsonl, curves.png, TensorBoard samples).
     """
 
     def __init__(
@@ -540,6 +550,7 @@ class Trainer:
         eval_data: Iterable[Any] | None = None,
         eval_fn: EvalFn | None = None,
         model_metrics_fn: ModelMetricsFn | None = None,
+        samples_fn: SamplesFn | None = None,
         param_groups: Callable[[nn.Module], list[dict[str, Any]]] | None = None,
         hparams: Mapping[str, Any] | None = None,
         export_config: Mapping[str, Any] | None = None,
@@ -571,6 +582,8 @@ class Trainer:
         self.stepper = build_step(config, acc, self.optimizer, self.scheduler, loss, self.data.prepared,
                                   functools.partial(latest_checkpoint, self.output_dir))
         self.checkpointer = Checkpointer(acc, config, self.run_config(), self.data, unwrap(self.model))
+        self.history = MetricHistory(self.output_dir / HISTORY_NAME if acc.is_main_process else None)
+        self.pictures = Pictures(acc, self.output_dir, self.history, samples_fn, title=config.run_name)
         self.step = 0  # optimizer steps taken
         # Last, so nothing after it can fail and leave the lock taken: the main process owns output_dir.
         self._lock = DirectoryLock(self.output_dir, "output directory")
@@ -652,6 +665,7 @@ class Trainer:
         if not resumed and not changed and self.checkpointer.finished_without_checkpoint():
             return self.checkpointer.report_finished(None, cfg.steps)
         self.checkpointer.record_start()
+        on_main(acc, lambda: self.history.restore(self.step if resumed else 0))  # the curves cover the whole run
         if acc.trackers == [] and acc.log_with:
             acc.init_trackers(cfg.run_name, config=flatten_config({**cfg.to_dict(), **self.hparams}))
         if resumed and acc.is_main_process:
@@ -660,7 +674,7 @@ class Trainer:
         last_eval: int | None = None
         results: dict[str, float] = {}
         self.model.train()
-        with _StopOnSignal() as stop, _Progress(acc, cfg, self.step) as progress:
+        with _StopOnSignal() as stop, _Progress(acc, cfg, self.step, self.history) as progress:
             while self.step < cfg.steps:
                 record = self._train_step()
                 self.step += 1
@@ -679,6 +693,7 @@ class Trainer:
                 self.save_checkpoint()
             if cfg.export:
                 self.export()
+        self.pictures.curves()
         results["step"] = self.step
         self.checkpointer.record_results(results)  # for a re-run of this finished run
         return results
@@ -690,11 +705,15 @@ class Trainer:
     def _evaluate_and_log(self, progress: _Progress) -> dict[str, float]:
         metrics = self.evaluate()
         progress.evaluated(self.step, metrics)
+        self.pictures.samples(unwrap(self.model), self.step)
+        if self.step < self.config.steps:  # the last one is drawn once training is done
+            self.pictures.curves()
         return metrics
 
     def _stop_here(self, signum: int, saved: bool) -> None:
         """Checkpoint this step (unless just done) and raise TrainingInterrupted."""
         path = self.checkpointer.path(self.step) if saved else self.save_checkpoint()
+        self.pictures.curves()
         raise TrainingInterrupted(f"stopped by {signal.Signals(signum).name} at step {self.step} of "
                                   f"{self.config.steps}; checkpoint {path}: run the same command again to resume",
                                   signum)

@@ -233,9 +233,10 @@ def image_task(config: dict[str, Any]) -> str | None:
 
 
 def _image_classifier(checkpoint: str | Path, device: str
-                      ) -> tuple[Callable[[Segment], Tensor], ImageTokenizer, list[str]]:
-    """(image segment -> logits (classes,), image tokenizer, class names) of an ImageClassifier export
-    (recipes/vit.py) or of the image task of a multitask export (recipes/multimodal.py)."""
+                      ) -> tuple[Callable[[Segment], Tensor], ImageTokenizer, list[str], nn.Module, str | None]:
+    """(image segment -> logits (classes,), image tokenizer, class names, the model, the head name of a multitask
+    export's image task or None) of an ImageClassifier export (recipes/vit.py) or of the image task of a
+    multitask export (recipes/multimodal.py)."""
     from omni.export import load_config
 
     config = load_config(checkpoint)
@@ -261,7 +262,7 @@ def _image_classifier(checkpoint: str | Path, device: str
     else:
         raise ValueError(f"{checkpoint}: not an image classifier export (its builder {builder!r} "
                          f"makes a {type(model).__name__})")
-    return classify, tokenizer, config.get("class_names") or [str(i) for i in range(n_classes)]
+    return classify, tokenizer, config.get("class_names") or [str(i) for i in range(n_classes)], model, task
 
 
 def _encode_file(tokenizer: ImageTokenizer, path: str | Path) -> Segment:
@@ -275,19 +276,64 @@ def _encode_file(tokenizer: ImageTokenizer, path: str | Path) -> Segment:
         raise ValueError(f"{name}: cannot read as an image: {reason}") from exc
 
 
+def attention_paths(files: Sequence[str | Path], directory: str | Path) -> list[Path]:
+    """Where ``predict_files(..., attention=directory)`` writes each file's picture: ``directory/<name>.png``
+    (the file's name without its suffix; a name met before gets ``-2``, ``-3`` ...: files from two folders
+    may share one)."""
+    seen: set[str] = set()
+    out = []
+    for f in files:
+        stem = Path(f).stem or "image"
+        name, k = stem, 1
+        while name in seen:
+            k += 1
+            name = f"{stem}-{k}"
+        seen.add(name)
+        out.append(Path(directory) / f"{name}.png")
+    return out
+
+
+ATTENTION_METHODS = ("rollout", "last")
+
+
+def _draw_attention(model: nn.Module, head: str | None, tokenizer: ImageTokenizer, seg: Segment,
+                    top: list[tuple[str, float]], method: str, path: Path, title: str) -> None:
+    """``path``: the image as the model saw it, under what the model looked at (omni.introspect.image_attention:
+    a rollout over every layer, or the last layer's attention, read by the query the head pools), top-k above."""
+    from omni.introspect import image_attention
+    from omni.plots import attention_overlay
+
+    heat = image_attention(model, seg, method=method, head=head)[0]
+    pixels = tokenizer.decode(seg)  # (C, h, w) in [0, 1]: normalisation and padding undone
+    label = "attention rollout" if method == "rollout" else "last-layer attention"
+    attention_overlay(pixels, heat, top, path, patch_size=tokenizer.patch_size, label=label, title=title)
+
+
 @torch.no_grad()
 def predict_files(checkpoint: str | Path, files: Sequence[str | Path], top_k: int = 5, device: str | None = None,
-                  *, return_exceptions: bool = False) -> list[list[tuple[str, float]] | Exception]:
+                  *, return_exceptions: bool = False, attention: str | Path | None = None,
+                  attention_method: str = "rollout") -> list[list[tuple[str, float]] | Exception]:
     """Top-k (class name, probability) for each image file of any size, mode and format, by an image classifier
     export (recipes/vit.py) or the image task of a multitask export (recipes/multimodal.py). A file that cannot
     be read raises FileNotFoundError / ValueError naming it, or with ``return_exceptions`` that exception takes
-    its place in the result (the export's own errors raise either way)."""
+    its place in the result (the export's own errors raise either way).
+
+    ``attention``: a directory; each readable image's picture goes to ``attention_paths(files, attention)``: the
+    image with its attention heat map over the patch grid (``attention_method`` "rollout" or "last") and its
+    top-k in the title (needs matplotlib, the ``viz`` extra)."""
     if top_k < 1:
         raise ValueError(f"top_k must be >= 1, got {top_k}")
+    if attention_method not in ATTENTION_METHODS:
+        raise ValueError(f"attention_method must be one of {', '.join(ATTENTION_METHODS)}, got {attention_method!r}")
+    if attention is not None:
+        from omni.deps import require
+
+        require("matplotlib", "viz")  # before any work: the pictures are what was asked for
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    classify, tokenizer, names = _image_classifier(checkpoint, device)
+    classify, tokenizer, names, model, head = _image_classifier(checkpoint, device)
+    pictures = attention_paths(files, attention) if attention is not None else None
     results: list[list[tuple[str, float]] | Exception] = []
-    for f in files:
+    for k, f in enumerate(files):
         try:
             seg = _encode_file(tokenizer, f)
         except (OSError, ValueError) as exc:
@@ -298,4 +344,6 @@ def predict_files(checkpoint: str | Path, files: Sequence[str | Path], top_k: in
         probs = classify(seg).float().softmax(-1)
         top = probs.topk(min(top_k, probs.numel()))
         results.append([(names[i], float(p)) for p, i in zip(top.values.tolist(), top.indices.tolist())])
+        if pictures is not None:
+            _draw_attention(model, head, tokenizer, seg, results[-1], attention_method, pictures[k], Path(f).name)
     return results

@@ -12,10 +12,11 @@ episodes by return) and each training seed it trains, then evaluates with rollou
 (many envs batched, KV-cached inference): a sweep of target returns (dt), ``eval_seeds`` episodes per
 target, normalised score 100 * (R - R_random) / (R_expert - R_random) with the references from the
 dataset manifest (``omni data gym`` measures them). Prints a Markdown table and writes
-``<out>/results.json``. Each (method, seed) run lives in ``<out>/<method>-seed<k>/``: checkpoints every
+``<out>/results.json`` and ``<out>/returns.png`` (achieved vs target return per method, with the random and
+expert references; also in TensorBoard under ``<out>/logs/summary``). Each (method, seed) run lives in ``<out>/<method>-seed<k>/``: checkpoints every
 ``checkpoint_every`` steps (a re-run resumes; ``resume`` says how), TensorBoard logs with the training
 curves and the rollout scores (``eval/[target<R>/]score_mean``; rollouts also every ``eval_every`` steps if
-set), the trained model in ``final/``. --set key=value overrides any config entry (Python literals).
+set) and that run's return plot (image ``eval/returns``), ``curves.png``, the trained model in ``final/``. --set key=value overrides any config entry (Python literals).
 Needs the rl extra: ``pip install -e ".[rl]"`` (gymnasium; mujoco for Hopper-v5 and the other MuJoCo envs).
 """
 
@@ -141,8 +142,9 @@ class Rollouts:
     per target return, None for bc / fbc), logged as eval/<target>/return_mean, score_mean, ...; the rows of
     the last evaluation are kept in ``rows``. fp32, as the policy is exported."""
 
-    def __init__(self, tok, cfg: dict, targets: list, reference: tuple[float, float], max_steps: int, device) -> None:
-        self.tok, self.cfg, self.targets, self.reference = tok, cfg, targets, reference
+    def __init__(self, tok, cfg: dict, targets: list, reference: tuple[float, float], max_steps: int, device,
+                 method: str = "dt") -> None:
+        self.tok, self.cfg, self.targets, self.reference, self.method = tok, cfg, targets, reference, method
         self.max_steps, self.device = max_steps, device
         self.seeds = list(range(10_000, 10_000 + cfg["eval_seeds"]))  # disjoint from the data's env seeds
         self.rows: list[dict[str, Any]] = []
@@ -158,6 +160,16 @@ class Rollouts:
         self.seconds += time.time() - t0
         return {("" if r["target"] is None else f"target{r['target']:g}/") + k: r[k] for r in self.rows
                 for k in ("return_mean", "return_std", "score_mean", "score_std")}
+
+    def samples(self, model, step: int) -> list:
+        """The Trainer's samples_fn: the return plot of the rollouts this evaluation just ran (TensorBoard)."""
+        from omni.plots import Picture, returns_plot
+
+        if not self.rows:
+            return []
+        rows = [{"method": self.method, **r} for r in self.rows]
+        return [Picture("eval/returns", returns_plot(rows, self.reference,
+                                                     title=f"{self.cfg['env']}: {self.method}, step {step}"))]
 
 
 def train_one(cfg: dict, tok, episodes: list[dict], method: str, seed: int, device: torch.device,
@@ -184,7 +196,8 @@ def train_one(cfg: dict, tok, episodes: list[dict], method: str, seed: int, devi
     export = {"builder": "omni.rl:build_decision_transformer", "trunk": trunk.to_dict(), "use_returns": use_returns,
               "env_id": cfg["env"], "method": method}
     hparams = {k: v for k, v in cfg.items() if k not in ("methods", "train_seeds")}  # this run's: resume checks them
-    trainer = Trainer(model, loss_fn, loader, config, model_metrics_fn=rollouts, hparams=hparams,
+    trainer = Trainer(model, loss_fn, loader, config, model_metrics_fn=rollouts,
+                      samples_fn=rollouts.samples if rollouts is not None else None, hparams=hparams,
                       export_config=export, export_tokenizers={"trajectory": tok})
     t0 = time.time()
     metrics = trainer.fit()
@@ -226,7 +239,7 @@ def main(argv=None) -> dict:
     for method in cfg["methods"]:
         data = top_episodes(episodes, cfg["fbc_fraction"]) if method == "fbc" else episodes
         for seed in cfg["train_seeds"]:
-            rollouts = Rollouts(tok, cfg, targets, ref, limit, device)
+            rollouts = Rollouts(tok, cfg, targets, ref, limit, device, method)
             _, metrics = train_one(cfg, tok, data, method, seed, device, rollouts)
             rows = rollouts.rows
             runs.append({"method": method, "seed": seed, "episodes": len(data), "eval_seconds": rollouts.seconds,
@@ -250,7 +263,31 @@ def main(argv=None) -> dict:
         out = Path(cfg["out"])
         out.mkdir(parents=True, exist_ok=True)
         (out / "results.json").write_text(json.dumps(payload, indent=2, default=str))
+        write_returns_plot(cfg, results, ref, out)
     return payload
+
+
+def write_returns_plot(cfg: dict, results: list[dict], ref: tuple[float, float], out: Path) -> Path | None:
+    """``<out>/returns.png``: achieved vs target return of every method, and the same picture in TensorBoard
+    (``<out>/logs/summary``, tag ``returns``). Without matplotlib: one warning line, no picture."""
+    from omni.evaluation import drawn, log_items
+    from omni.plots import Picture, returns_plot
+
+    path = out / "returns.png"
+    rgb = drawn("the return plot", lambda: returns_plot(
+        results, ref, path, title=f"{cfg['env']}: achieved vs target return ({len(cfg['train_seeds'])} seed(s), "
+                                  f"{cfg['eval_seeds']} episodes each)"), prog="decision_transformer.py")
+    if rgb is None:
+        return None
+    if cfg["report_to"] == "tensorboard":
+        from torch.utils.tensorboard import SummaryWriter
+
+        writer = SummaryWriter(str(out / "logs" / "summary"))
+        try:
+            log_items(writer, [Picture("returns", rgb)], cfg["steps"])
+        finally:
+            writer.close()
+    return path
 
 
 if __name__ == "__main__":

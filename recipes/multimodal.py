@@ -126,7 +126,7 @@ from omni.deps import require
 from omni.mixture import MixtureLoader
 from omni.multitask import MultitaskModel, merge_tokenizers, multitask_loss
 from omni.segment import Segment
-from omni.tasks import TASK_KINDS, Task, task_class
+from omni.tasks import TASK_KINDS, Task, task_class, task_samples
 from omni.train import Trainer, process_state, unwrap
 from omni.trunk import preset
 
@@ -555,7 +555,7 @@ def main(argv=None, *, on_trained=None) -> dict:
     export = model.export_config()
     trainer = Trainer(model, multitask_loss, train, config, eval_data=losses, eval_fn=eval_fn,
                       model_metrics_fn=make_model_metrics_fn(tasks["test"], cfg, record) if in_training else None,
-                      hparams=cfg,
+                      samples_fn=lambda model, step: task_samples(model.omni, tasks["test"]), hparams=cfg,
                       export_config=export, export_tokenizers=merge_tokenizers(tasks["train"]),
                       export_module=lambda m: m.omni)
     if state.is_main_process:

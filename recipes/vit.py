@@ -221,13 +221,27 @@ def main(argv=None) -> dict:
         return {"accuracy": (logits.argmax(-1) == labels).float(),
                 "loss": F.cross_entropy(logits.float(), labels, reduction="none")}
 
+    shown: list = []  # the first eval batch's first 16 images, taken at the first evaluation
+
+    def samples(model, step):
+        """TensorBoard: those images with the predicted class and probability over the true one."""
+        from omni.plots import Picture, image_grid
+
+        if not shown:
+            images, labels = next(iter(eval_data))
+            shown.extend([images[:16], labels[:16].tolist()])
+        probs = model(shown[0]).float().softmax(-1)
+        p, predicted = probs.max(-1)
+        return [Picture("eval/predictions", image_grid(shown[0], shown[1], predicted.tolist(), class_names,
+                                                       probabilities=p.tolist()))]
+
     config = train_config(cfg, steps=steps, warmup_steps=every(cfg["warmup_epochs"]),
                           eval_every=every(cfg["eval_every_epochs"]),
                           checkpoint_every=every(cfg["checkpoint_every_epochs"]), run_name=f"vit-{cfg['preset']}")
     export = model.export_config(class_names)
     if source is not None and "source" in source[0]:  # where the weights came from: omni convert --to reads it
         export["source"] = source[0]["source"]
-    trainer = Trainer(model, loss_fn, train_data, config, eval_data=eval_data, eval_fn=eval_fn,
+    trainer = Trainer(model, loss_fn, train_data, config, eval_data=eval_data, eval_fn=eval_fn, samples_fn=samples,
                       hparams=cfg, export_config=export, export_tokenizers={"image": image})
     if state.is_main_process:
         n_params = sum(p.numel() for p in unwrap(trainer.model).parameters())

@@ -35,7 +35,7 @@ import torch
 from omni.config import (POSITIVE, Key, at_least, check_corpus, keywords_of, one_of, rank_zero_first, recipe_config,
                           recipe_parser, run_recipe, train_config)
 from omni.data.builders_speech import build_speech_synth
-from omni.data.clips import DecodeClip
+from omni.data.clips import AUDIO_FIELDS, DecodeClip
 from omni.data.reader import ShardLoader
 from omni.data.shards import read_manifest
 from omni.deps import require
@@ -183,6 +183,47 @@ class Scorer:
         return {**out, "ctc_cer": ctc_edits / chars} if unwrap(model).ctc_head is not None else out
 
 
+def first_clips(data: Path, split: str, n: int, max_corrupt_fraction: float) -> list[tuple[bytes, str, str]]:
+    """The first ``n`` (audio bytes, transcript, key) of a split, in shard order (the clips TensorBoard plays)."""
+    loader = ShardLoader(data, _raw_clip, list, batch_size=n, split=split, rank=0, world_size=1, shuffle=False,
+                         max_corrupt_fraction=max_corrupt_fraction)
+    return next(iter(loader), [])[:n]
+
+
+def _raw_clip(sample: dict) -> tuple[bytes, str, str]:
+    field = next((f for f in AUDIO_FIELDS if f in sample), None)
+    if field is None or "txt" not in sample:
+        raise ValueError(f"sample {sample.get('__key__')!r} needs an audio field and a .txt transcript")
+    return sample[field], sample["txt"].decode("utf-8").strip(), sample.get("__key__", "")
+
+
+class Listen:
+    """The Trainer's samples_fn: the first ``n`` test clips with their reference and greedy transcript, for
+    TensorBoard (audio + text). The clips are read at the first evaluation (main process only)."""
+
+    def __init__(self, data: Path, split: str | None, audio: AudioTokenizer, text: TextTokenizer, cfg: dict,
+                 n: int = 4) -> None:
+        self.data, self.split, self.audio, self.text, self.cfg, self.n = data, split, audio, text, cfg, n
+        self.clips: list[tuple[torch.Tensor, str, str]] | None = None
+
+    def __call__(self, model, step: int) -> list:
+        from omni.plots import Clip
+        from omni.speech import transcribe_waveforms
+        from omni.tasks.transcribe import transcript_note
+        from omni.tokenizers.audio import load_audio
+
+        if self.split is None:
+            return []
+        if self.clips is None:
+            rate = self.audio.sample_rate
+            self.clips = [(load_audio(raw, sample_rate=rate, key=key), ref, key) for raw, ref, key in
+                          first_clips(self.data, self.split, self.n, self.cfg["max_corrupt_fraction"])]
+        heard = transcribe_waveforms(model, self.audio, self.text, [w for w, _, _ in self.clips],
+                                     keys=[k for _, _, k in self.clips], max_new_tokens=self.cfg["max_new_tokens"])
+        return [Clip(f"eval/clip{i}", wave.numpy(), self.audio.sample_rate, transcript_note(ref, hyp))
+                for i, ((wave, ref, _), hyp) in enumerate(zip(self.clips, heard))]
+
+
 # ---------------------------------------------------------------------------------------------------
 
 
@@ -216,7 +257,8 @@ def main(argv=None) -> dict:
     export = {"builder": "omni.speech:build_speech_recognizer", "encoder": encoder.to_dict(),
               "decoder": decoder.to_dict(), "ctc": cfg["ctc_weight"] > 0, "audio_positions": cfg["audio_positions"]}
     trainer = Trainer(model, SpeechLoss(cfg["ctc_weight"]), train_data, config, eval_data=eval_data,
-                      eval_fn=scorer.eval_fn, model_metrics_fn=scorer.metrics, hparams=cfg, export_config=export,
+                      eval_fn=scorer.eval_fn, model_metrics_fn=scorer.metrics,
+                      samples_fn=Listen(data, eval_split, audio, text, cfg), hparams=cfg, export_config=export,
                       export_tokenizers={"audio": audio, "text": text})
     if state.is_main_process:
         n_params = sum(p.numel() for p in unwrap(trainer.model).parameters())

@@ -20,6 +20,10 @@ batch); its class also says how a recipe scores it (``eval_options``, ``result_r
                               the tanh output rescaled to the action bounds by ``omni.rl.rescale_actions``).
   lm          LMTask          [text segment] -> the same tied LM head -> next-token cross-entropy.
 
+Pictures (``Task.samples(model)``, gathered by ``task_samples`` into the Trainer's ``samples_fn``): classify gives
+its first held-out images with predicted and true labels (image modality), transcribe its first clips (audio and
+transcript, or the log-mel and transcript for pre-encoded clips); the other kinds none.
+
 Per-task losses are means over that task's own targets in the batch. Each task's documents are told apart by
 ``MixedBatch.document_task``, so two tasks may share a modality (ASR transcripts and the text corpus are both
 "text").
@@ -39,7 +43,7 @@ reports, on the task's held-out items, so a jointly trained trunk is compared li
   LMTask         token perplexity exp(mean next-token NLL) and bits per UTF-8 byte of the raw text
 """
 
-from omni.tasks.base import TASK_KINDS, NextTextTokenTask, Row, Task, register_task, task_class
+from omni.tasks.base import TASK_KINDS, NextTextTokenTask, Row, Task, register_task, task_class, task_samples
 
 # isort: off
 # (imported, so registered, in the order configs list the kinds in)
@@ -50,4 +54,4 @@ from omni.tasks.lm import LMTask
 # isort: on
 
 __all__ = ["ActionTask", "ClassifyTask", "LMTask", "NextTextTokenTask", "PrefixLMTranscriber", "Row", "TASK_KINDS",
-           "Task", "TrajectoryPolicy", "TranscribeTask", "register_task", "task_class"]
+           "Task", "TrajectoryPolicy", "TranscribeTask", "register_task", "task_class", "task_samples"]

@@ -68,6 +68,12 @@ class Task:
     def loss(self, model: OmniModel, hidden: Tensor, batch: MixedBatch, index: int) -> tuple[Tensor, dict[str, Tensor]]:
         raise NotImplementedError
 
+    def samples(self, model: OmniModel, count: int = 8) -> list[Any]:
+        """What a person looks at after an evaluation: ``omni.plots.Picture`` / ``Clip`` / ``Note`` items of the
+        first ``count`` held-out items (their tags start with the task's name), which the Trainer logs to
+        TensorBoard (its ``samples_fn``; ``task_samples``). None by default."""
+        return []
+
     def evaluate(self, model: OmniModel, **options: Any) -> dict[str, float]:
         """The task's held-out metric(s) over all its items (omni.tasks docstring); ``model`` is the OmniModel."""
         raise NotImplementedError(f"{type(self).__name__} {self.name!r} has no held-out metric")
@@ -123,6 +129,12 @@ def task_class(kind: str) -> type[Task]:
     if kind not in TASK_KINDS:
         raise ValueError(f"unknown task kind {kind!r}; registered: {', '.join(TASK_KINDS)}")
     return TASK_KINDS[kind]
+
+
+def task_samples(model: OmniModel, tasks: Sequence[Task], count: int | None = None) -> list[Any]:
+    """Every task's ``samples`` on ``model`` (the OmniModel), in task order (``count`` items each, default each
+    kind's own): a Trainer ``samples_fn`` is ``lambda model, step: task_samples(model.omni, tasks)``."""
+    return [item for task in tasks for item in (task.samples(model) if count is None else task.samples(model, count))]
 
 
 # ----------------------------------------------------------------------------------------------------

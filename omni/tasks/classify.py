@@ -12,7 +12,7 @@ from torch import Tensor
 from omni.mixture import MixedBatch
 from omni.model import OmniModel
 from omni.segment import Sample, Segment
-from omni.tasks.base import Row, Task, masked_mean, packed_eval_options, packed_items, register_task
+from omni.tasks.base import Row, Task, inference, masked_mean, packed_eval_options, packed_items, register_task
 from omni.tokenizers.base import Tokenizer
 from omni.tokenizers.text import TextTokenizer
 
@@ -87,6 +87,28 @@ class ClassifyTask(Task):
             correct += int((logits.argmax(-1) == y).sum())
             nll += float(F.cross_entropy(logits, y, reduction="sum"))
         return {"accuracy": correct / len(self), "loss": nll / len(self), "items": float(len(self))}
+
+    def samples(self, model: OmniModel, count: int = 8) -> list[Any]:
+        """An image task's first ``count`` held-out images (as the model saw them: the tokenizer's ``decode``) with
+        their predicted class and probability over the true one; other modalities have no picture."""
+        decode = getattr(self.tokenizer, "decode", None)
+        if self.modality != "image" or decode is None or count < 1:
+            return []
+        from omni.mixture import eval_batches
+        from omni.plots import Picture, image_grid
+
+        rng = np.random.default_rng(0)  # (not drawn from: every item is taken whole)
+        chosen = [self.sample(i, rng) for i in range(min(count, len(self)))]
+        row = -(-sum(len(s) for s in chosen) // 128) * 128  # one packed row holds them all
+        with inference(model) as dev:
+            batch = next(iter(eval_batches(chosen, row, 1))).to(dev)
+            probs = self.logits(model, model(batch), batch).float().softmax(-1)
+            labels = self.segment_labels(batch)
+        p, predicted = probs.max(-1)
+        images = [decode(s.segments[0]) for s in chosen]
+        names = getattr(self, "class_names", None)
+        return [Picture(f"{self.name}/predictions", image_grid(images, labels.tolist(), predicted.tolist(), names,
+                                                               probabilities=p.tolist(), title=self.name))]
 
     eval_options = staticmethod(packed_eval_options)
 

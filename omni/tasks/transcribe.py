@@ -194,6 +194,33 @@ class TranscribeTask(NextTextTokenTask):
             out["ctc_cer"] = error_rates(list(self.transcripts), heard)["cer"]
         return out
 
+    def samples(self, model: OmniModel, count: int = 4, max_new_tokens: int = 224) -> list[Any]:
+        """The first ``count`` held-out clips with their reference and greedy transcript: the audio itself
+        (``omni.plots.Clip``) when the clip is raw audio, else (a pre-encoded log-mel Segment) its log-mel as a
+        picture with the texts beside it (``Picture`` + ``Note``)."""
+        from omni.plots import Clip, Note, Picture, spectrogram
+
+        idx = list(range(min(count, len(self))))
+        if not idx:
+            return []
+        heard = self.transcribe(model, idx, max_new_tokens=max_new_tokens)
+        items: list[Any] = []
+        for i, hyp in zip(idx, heard):
+            tag, text = f"{self.name}/clip{i}", transcript_note(self.transcripts[i], hyp)
+            clip = self.clips[i]
+            if isinstance(clip, Segment):
+                mel = log_mel_frames(clip.tokens, getattr(self.audio, "n_mels", 80), getattr(self.audio, "kernel", 1))
+                items += [Picture(f"{tag}/log_mel", spectrogram(mel, title=f"reference: {self.transcripts[i]}",
+                                                                frames_per_second=self.audio.tokens_per_second)),
+                          Note(tag, text)]
+            else:
+                from omni.tokenizers.audio import load_audio
+
+                rate = int(getattr(self.audio, "sample_rate", 16000))
+                wave = load_audio(clip, sample_rate=rate, key=tag).numpy()
+                items.append(Clip(tag, wave, rate, text))
+        return items
+
     @staticmethod
     def eval_options(entry: Mapping[str, Any], cfg: Mapping[str, Any]) -> dict[str, Any]:
         """The entry's ``eval_batch_size`` and ``max_new_tokens`` (recipes/whisper.py's decoding limit)."""
@@ -202,6 +229,17 @@ class TranscribeTask(NextTextTokenTask):
     def result_row(self, r: Mapping[str, float]) -> Row:
         also = f"WER {100 * r['wer']:.2f}%" + (f", CTC CER {100 * r['ctc_cer']:.2f}%" if "ctc_cer" in r else "")
         return "CER (%)", f"{100 * r['cer']:.2f}", also, f"{r['utterances']:.0f} test utterances, greedy"
+
+
+def transcript_note(reference: str, heard: str) -> str:
+    """Reference and transcript as TensorBoard Markdown (two lines)."""
+    return f"**reference:** {reference}  \n**transcript:** {heard}"
+
+
+def log_mel_frames(tokens: Tensor, n_mels: int, kernel: int) -> Tensor:
+    """Audio tokens (n, n_mels * kernel), each a window of ``kernel`` log-mel frames flattened mel-major
+    (``omni.tokenizers.audio.unfold_tokens``) -> (n, n_mels): each window's centre frame, one per token."""
+    return tokens.reshape(tokens.shape[0], n_mels, kernel)[:, :, kernel // 2]
 
 
 class PrefixLMTranscriber:
