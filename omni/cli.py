@@ -241,6 +241,41 @@ def _convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def _generate(args: argparse.Namespace) -> int:
+    """omni generate --checkpoint EXPORT PROMPT...: each prompt's continuation by a text LM export, greedy (Hugging
+    Face's do_sample=False) or sampled with --temperature (and --top-k, --seed)."""
+    import torch
+
+    from omni.export import resolve_export_dir
+    from omni.generate import generate_ids, load_lm
+
+    try:
+        checkpoint = resolve_export_dir(args.checkpoint)
+        if checkpoint != Path(args.checkpoint):
+            print(f"omni generate: using the export {checkpoint} of the run directory {args.checkpoint}",
+                  file=sys.stderr)
+        device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        lm = load_lm(checkpoint, device=device, head=args.head)
+    except _export_errors() as exc:  # not an export, not a text LM, damaged files
+        message = one_line(exc)
+        raise UsageError(message if str(args.checkpoint) in message
+                         else f"cannot load the export {args.checkpoint}: {message}") from exc
+    try:
+        prompts = [lm.encode(text) for text in args.prompts]
+        outputs = generate_ids(lm, prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                               top_k=args.top_k, seed=args.seed)
+    except ValueError as exc:  # a prompt too long for the model, top-k without sampling
+        raise UsageError(one_line(exc)) from exc
+    rows = [{"prompt": text, "completion": lm.decode(ids), "prompt_ids": p, "ids": ids}
+            for text, p, ids in zip(args.prompts, prompts, outputs)]
+    if args.format == "json":
+        print(json.dumps(rows, indent=2, ensure_ascii=False))
+    else:
+        for row in rows:
+            print(row["prompt"] + row["completion"])
+    return 0
+
+
 def _list_tokenizers(args: argparse.Namespace) -> int:
     from omni.tokenizers import available_tokenizers, get_tokenizer
 
@@ -311,6 +346,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rtg-scale", type=number(float, at_least=1e-12), help="Decision Transformer: returns-to-go are "
                    "divided by this (default: config.json's 'rtg_scale', else 1000)")
     p.set_defaults(func=_convert)
+    p = sub.add_parser("generate", help="continue text prompts with an exported language model (a converted GPT-2, "
+                       "an LM task's export)",
+                       description="omni generate --checkpoint EXPORT PROMPT...: each prompt followed by its "
+                       "continuation. Greedy by default (token for token Hugging Face's generate(do_sample=False)); "
+                       "--temperature > 0 samples. A row ends at the model's eos or after --max-new-tokens.")
+    p.add_argument("--checkpoint", required=True, help="a text LM export (omni convert of a Hugging Face GPT-2, or "
+                   "a run with an LM task), or a run directory (its final/ is used)")
+    p.add_argument("--device", type=_device, default=None, help="cpu, cuda, cuda:N, mps (default: cuda when available)")
+    p.add_argument("--format", choices=("txt", "json"), default="txt", help="txt: each prompt and its continuation; "
+                   "json: a list of {prompt, completion, prompt_ids, ids} (default: txt)")
+    p.add_argument("--max-new-tokens", type=_positive_int, default=64, help="most tokens per prompt (default: 64)")
+    p.add_argument("--temperature", type=number(float, at_least=0.0), default=0.0,
+                   help="0: greedy (default); > 0: sample from softmax(logits / temperature)")
+    p.add_argument("--top-k", type=_positive_int, default=None, help="sample among the k most likely tokens only")
+    p.add_argument("--seed", type=int, default=None, help="seed of the sampling (default: a fresh one)")
+    p.add_argument("--head", default=None, help="the LM head to use, when the export has several")
+    p.add_argument("prompts", nargs="+", metavar="prompt", help="text to continue ('' starts a new document)")
+    p.set_defaults(func=_generate)
     from omni.data.cli import add_data_commands, add_tokenizer_commands
 
     add_data_commands(sub)
