@@ -25,7 +25,7 @@ the prompt and eos.
 from __future__ import annotations
 
 import os
-from typing import Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -195,7 +195,7 @@ def generate_ids(lm: CausalLM, prompts: Sequence[Sequence[int]], *, max_new_toke
     return decoding.run(max_new_tokens)
 
 
-def generate(lm: TextLM | str | os.PathLike, prompts: str | Sequence[str], **options) -> list[str]:
+def generate(lm: TextLM | str | os.PathLike, prompts: str | Sequence[str], **options: Any) -> list[str]:
     """The continuation of every prompt (text; ``lm`` a TextLM or an export directory); ``options`` are
     ``generate_ids``'s. One string gives a list of one."""
     if not isinstance(lm, TextLM):
@@ -204,7 +204,7 @@ def generate(lm: TextLM | str | os.PathLike, prompts: str | Sequence[str], **opt
     return [lm.decode(ids) for ids in generate_ids(lm, [lm.encode(t) for t in texts], **options)]
 
 
-def lm_head_name(config: dict, head: str | None = None) -> str:
+def lm_head_name(config: dict[str, Any], head: str | None = None) -> str:
     """The LM head of an export config to generate with: ``head`` (checked), else its only "lm" head. ValueError
     (one line) when the export is no text LM or has several LM heads and none is named."""
     heads = {name: spec for name, spec in config.get("heads", {}).items() if isinstance(spec, dict)}

@@ -51,7 +51,7 @@ import torch
 from torch import Tensor
 
 from omni.export import CONFIG_NAME, load_config, load_pretrained, save_pretrained, write_json
-from omni.interop import ConversionError, read_directory
+from omni.interop import ConversionError, check_tensors, read_directory
 from omni.interop.hf import HFFamily, register_hf_family
 from omni.trunk import TrunkConfig
 
@@ -177,7 +177,6 @@ def from_hf(state_dict: Mapping[str, Tensor], hf_config: Mapping[str, Any]
     """A HF GPT2LMHeadModel's (state dict, config dict) -> (omni export config, omni state dict, {"text": GPT-2's
     tokenizer}); the "omni" builder builds the model that loads the state dict (strict). ValueError (one line)
     for what omni cannot express or a state dict that is not this config's (a wrong shape names its key)."""
-    from omni.interop import check_tensors
     from omni.tokenizers.ranks import gpt2_tokenizer
 
     if hf_config.get("model_type", MODEL_TYPE) != MODEL_TYPE:
@@ -242,8 +241,8 @@ def to_hf(export: str | os.PathLike) -> tuple[dict[str, Any], dict[str, Tensor]]
     if bool(shift.any()):  # HF adds wte + wpe only: fold the modality vector into every position row
         sd["transformer.wpe.weight"] = sd["transformer.wpe.weight"] + shift
     sd = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in sd.items()}
-    source = dict(config.get("source", {}).get("config", {})) if config.get("source", {}).get("format") == \
-        SOURCE_FORMAT else {}
+    recorded = config.get("source", {})
+    source = dict(recorded.get("config", {})) if recorded.get("format") == SOURCE_FORMAT else {}
     inner = model.trunk.blocks[0].mlp.up.out_features
     hf_config = {**source, "model_type": MODEL_TYPE, "architectures": ["GPT2LMHeadModel"], "vocab_size": vocab,
                  "n_embd": d, "n_positions": cfg.max_positions, "tie_word_embeddings": tied,
