@@ -6,6 +6,8 @@ BPE text -> causal decoder with cross-attention -> tied LM head. Model, decoding
     python recipes/whisper.py --preset tiny --set "text=['corpus.txt']"   # your own text instead of Austen's
     python recipes/whisper.py --preset base --data shards/librispeech --set steps=100000
     accelerate launch --num_processes 8 recipes/whisper.py --preset base --data ...
+    python recipes/whisper.py --preset finetune --data shards/librispeech --set init=whisper-small \
+        --set text_case=sentence                        # fine-tune a Whisper checkpoint (HF dir / openai .pt)
 
 --data takes a dataset directory written by `omni data speech-synth` or `omni data librispeech` (webdataset
 shards of <key>.flac|wav + <key>.txt + manifest.json). --set key=value overrides any config entry. Without
@@ -19,7 +21,22 @@ rank). `--set bpe_vocab=N` instead fits an N-token BPE on the training transcrip
 model, so `omni transcribe --checkpoint <out>/final file.wav` needs nothing else.
 
 Each evaluation (and the one at the end) transcribes the test split greedily and logs corpus WER / CER
-(omni.speech.normalize_text); the final ones are printed and written to <out>/eval.json.
+(omni.speech.normalize_text); the final ones are printed and written to <out>/eval.json. The model trains on
+`train_split` ("train") and is scored on `eval_split` (default "test", else the first other split).
+
+Fine-tuning: --set init=PATH starts from a model: an omni speech export (a run's <out>/final, `omni convert`'s
+output) or a Whisper checkpoint that omni.interop converts (a Hugging Face whisper directory, an openai-whisper
+.pt). Its tokenizers (Whisper's 51,865-token vocabulary and log-mel front end), its architecture and its decoder
+prompt (Whisper's [<|startoftranscript|>, <|en|>, <|transcribe|>, <|notimestamps|>]) replace this config's
+trunk, trunk_overrides, audio_positions, max_seconds and tokenizer. Every transcript is trained as prompt + text +
+<|endoftext|>, the loss on the text and <|endoftext|> only; evaluation decodes as `omni transcribe` does
+(omni.speech.transcribe_batch: the same prompt, stop rules and logit rules). A CTC head is kept when the init
+has one (ctc_weight None: 0.3 then, a Whisper has none: 0); ctc_weight > 0 adds a new one. The `finetune` preset
+holds Whisper-style fine-tuning settings (lr 1e-5, batch 16).
+
+text_case: how transcripts are trained. LibriSpeech's are upper case, unlike anything Whisper was trained on:
+"sentence" (lower case, first letter capitalised: close to Whisper's own style) or "lower" keep the first loss
+near the pretrained model's; "keep" trains them as written. WER / CER ignore case either way.
 """
 
 from __future__ import annotations
@@ -36,11 +53,12 @@ from omni.config import (POSITIVE, Key, at_least, check_corpus, keywords_of, one
                           recipe_parser, run_recipe, train_config)
 from omni.data.builders_speech import build_speech_synth
 from omni.data.clips import AUDIO_FIELDS, DecodeClip
+from omni.export import get_builder, tied_names
 from omni.data.reader import ShardLoader
 from omni.data.shards import read_manifest
 from omni.deps import require
-from omni.speech import (SpeechCollate, SpeechLoss, SpeechRecognizer, ctc_greedy_decode, error_counts,
-                         greedy_decode, speech_example)
+from omni.speech import (SpeechCollate, SpeechLoss, SpeechRecognizer, ctc_greedy_decode, ctc_labels, error_counts,
+                         transcribe_batch)
 from omni.tokenizers.audio import AudioTokenizer
 from omni.tokenizers.text import IGNORE_INDEX, TextTokenizer
 from omni.train import Trainer, process_state, unwrap
@@ -58,8 +76,8 @@ COMMON = dict(
     bpe_vocab=Key(None, (int, None), at_least(256), "None: the shipped tokenizers/bpe-8k; N: fit an N-token BPE "
                                                     "on the training transcripts"),
     max_seconds=Key(30.0, check=POSITIVE, help="longest clip (longer ones are dropped)"),
-    ctc_weight=Key(0.3, check=at_least(0), help="hybrid CTC/attention: weight of the encoder's CTC loss "
-                                                 "(0: decoder loss only, no CTC head)"),
+    ctc_weight=Key(None, (float, None), at_least(0), "hybrid CTC/attention: weight of the encoder's CTC loss (0: "
+                   "decoder loss only, no CTC head; None: 0.3, with init 0.3 when the init has a CTC head, else 0)"),
     audio_positions=Key("none", check=one_of("none", "sinusoidal"),
                         help="'sinusoidal': Whisper's absolute positions added to the audio embeddings"),
     batch_size=64, steps=6000, lr=1e-3, min_lr_ratio=0.02, warmup_steps=500, weight_decay=0.05, clip_norm=1.0,
@@ -67,6 +85,12 @@ COMMON = dict(
     limit_eval=Key(None, help="greedy-decode (for WER / CER) only the first N samples of each evaluation"),
     eval_batch_size=64, max_new_tokens=Key(224, check=at_least(1), help="longest decoded transcript (tokens)"),
     seed=0, progress=True, log_every=10, max_corrupt_fraction=0.01, resume="auto",
+    init=Key(None, (str, None), help="start from this model: an omni speech export or a Whisper checkpoint (HF "
+                                     "directory / openai-whisper .pt); its tokenizers, architecture and prompt"),
+    text_case=Key("keep", check=one_of("keep", "lower", "sentence"),
+                  help="transcripts as trained: as written, lower case, or lower with the first letter capitalised"),
+    train_split=Key("train", help="the dataset split trained on"),
+    eval_split=Key(None, (str, None), help="the split scored (None: 'test', else the first split not trained on)"),
 )
 PRESETS: dict[str, dict] = {
     # CPU smoke test: a few steps of a tiny trunk on a few dozen synthesised utterances.
@@ -79,13 +103,28 @@ PRESETS: dict[str, dict] = {
     # 3,000 steps on the H100: test CER 2.67%, WER 4.95% in 463 s, compilation and evaluations included
     # (benchmarks/results.md, session 5).
     "base": dict(trunk="whisper-base", batch_size=64, steps=3000, lr=5e-4, warmup_steps=500, compile=True),
+    # Fine-tuning a converted Whisper (needs --set init=...): the usual Whisper fine-tuning settings (lr 1e-5,
+    # batch 16, a short warm-up, no weight decay on top of pretrained weights), evaluated every 500 steps.
+    "finetune": dict(data=None, build=None, out="runs/whisper-finetune", batch_size=16, steps=4000, lr=1e-5,
+                     min_lr_ratio=0.1, warmup_steps=500, weight_decay=0.0, eval_every=500, checkpoint_every=500,
+                     eval_batch_size=16, limit_eval=2000),
 }
+BUILDER = "omni.speech:build_speech_recognizer"
+DEFAULT_CTC_WEIGHT = 0.3
 
 
 def parse_args(argv=None) -> dict:
     ap = recipe_parser(__doc__, COMMON, PRESETS, "base on CUDA, tiny otherwise",
                        data_help="dataset directory (manifest.json + shards with audio + .txt)")
-    return recipe_config(ap, ap.parse_args(argv), COMMON, PRESETS, "base" if torch.cuda.is_available() else "tiny")
+    cfg = recipe_config(ap, ap.parse_args(argv), COMMON, PRESETS, "base" if torch.cuda.is_available() else "tiny")
+    if cfg["init"] is None and cfg["preset"] == "finetune":
+        ap.error("preset 'finetune' fine-tunes a model: --set init=PATH (an omni speech export or a Whisper checkpoint)")
+    if cfg["init"] is not None and cfg["bpe_vocab"] is not None:
+        ap.error("bpe_vocab fits a new tokenizer, init brings its own: set one of them")
+    if cfg["data"] is None:
+        ap.error(f"preset {cfg['preset']!r} needs --data DIR (shards from `omni data librispeech` or "
+                 "`omni data speech-synth`)")
+    return cfg
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -114,6 +153,54 @@ def synthesise(cfg: dict, data: Path) -> None:
     build_speech_synth(data, **build)
 
 
+def choose_splits(cfg: dict, data: Path, splits: dict) -> tuple[str, str | None]:
+    """(the split trained on, the split scored or None): ``train_split`` and ``eval_split`` as set, checked to be
+    in the dataset; an unset eval_split is "test", else the first other split."""
+    names = ", ".join(splits)
+    train = cfg["train_split"]
+    if train not in splits:
+        raise ValueError(f"{data}: no split {train!r} to train on (splits: {names}): set train_split=, or build "
+                         "with `omni data librispeech --rename SUBSET=train,...`")
+    scored = cfg["eval_split"]
+    if scored is None:
+        return train, "test" if "test" in splits else next((s for s in splits if s != train), None)
+    if scored not in splits:
+        raise ValueError(f"{data}: no split {scored!r} to evaluate on (splits: {names})")
+    return train, scored
+
+
+def recase(transcript: str, case: str) -> str:
+    """``transcript`` as trained (config ``text_case``): "keep" as written, "lower" case, or "sentence" (lower
+    case with the first letter capitalised, as Whisper writes, for LibriSpeech's upper case)."""
+    if case == "lower":
+        return transcript.lower()
+    if case == "sentence":
+        lower = transcript.lower()
+        return lower[:1].upper() + lower[1:]
+    return transcript
+
+
+def prompted_example(audio_tok: AudioTokenizer, text_tok: TextTokenizer, prompt: tuple[int, ...], case: str,
+                     ctc: bool, audio: bytes, transcript: str, key: str = "") -> dict:
+    """One (audio, transcript) pair -> the dict SpeechCollate batches. Decoder input: ``prompt`` (the model's:
+    [bos, <|transcribe|>], or Whisper's four tokens) + the transcript's ids + eos; targets: the text and eos
+    only, each predicted from the position before it (the prompt's last token predicts the first word), so the
+    prompt is a given condition, never trained. With ``ctc`` also the CTC labels (omni.speech.ctc_labels)."""
+    transcript = recase(transcript, case)
+    body = text_tok.encode(transcript, key=key).tokens  # [bos] ids [eos]
+    ids = body[1:] if text_tok.add_bos else body
+    tokens = torch.cat([torch.tensor(prompt, dtype=torch.int64), ids])
+    if tokens.shape[0] > text_tok.max_length:
+        raise ValueError(f"text sample {key!r} has {tokens.shape[0]} tokens with the decoder prompt, more than the "
+                         f"decoder's {text_tok.max_length}")
+    targets = torch.full_like(tokens, IGNORE_INDEX)
+    targets[len(prompt) - 1:-1] = ids
+    example = {"audio": audio_tok.encode(audio, key=key).tokens, "text": tokens, "targets": targets, "key": key}
+    if ctc:
+        example["ctc"] = ctc_labels(transcript)
+    return example
+
+
 def read_transcripts(data: Path, split: str, max_corrupt_fraction: float) -> list[str]:
     """Every transcript of a split (for fitting the BPE), read with the same loader on one process."""
     loader = ShardLoader(data, _transcript, list, batch_size=1024, split=split, rank=0, world_size=1,
@@ -140,12 +227,59 @@ def fit_bpe(cfg: dict, data: Path, path: Path) -> TextTokenizer:
 
 
 # ---------------------------------------------------------------------------------------------------
+# Model
+
+
+def from_scratch(cfg: dict, audio: AudioTokenizer, text: TextTokenizer) -> tuple[SpeechRecognizer, dict]:
+    """A new model of the ``trunk`` preset and its export config."""
+    encoder = preset(cfg["trunk"], **cfg["trunk_overrides"])
+    decoder = preset(cfg["trunk"], cross_attention=True, **cfg["trunk_overrides"])
+    ctc = cfg["ctc_weight"] is None or cfg["ctc_weight"] > 0
+    torch.manual_seed(cfg["seed"])
+    model = SpeechRecognizer(audio, text, encoder, decoder, ctc=ctc, audio_positions=cfg["audio_positions"])
+    return model, {"builder": BUILDER, "encoder": encoder.to_dict(), "decoder": decoder.to_dict(), "ctc": ctc,
+                   "audio_positions": cfg["audio_positions"]}
+
+
+def from_init(cfg: dict) -> tuple[SpeechRecognizer, dict, dict]:
+    """The ``init`` model (an omni export, or a Whisper checkpoint converted by omni.interop) with its weights, its
+    export config (``ctc`` as this run trains it; the source and prompt kept) and its tokenizers. A CTC head the
+    init lacks (ctc_weight > 0) starts from the seed; one this run drops (ctc_weight 0) is left out."""
+    from omni.interop import names, read_model
+
+    config, state_dict, tokenizers = read_model(cfg["init"])
+    if config.get("builder") != BUILDER or not {"audio", "text"} <= set(tokenizers):
+        raise ValueError(f"init {cfg['init']}: not a speech recognizer (builder {config.get('builder')!r}, "
+                         f"tokenizers {', '.join(tokenizers) or 'none'})")
+    had = bool(config.get("ctc", False))
+    ctc = had if cfg["ctc_weight"] is None else cfg["ctc_weight"] > 0
+    export = {k: v for k, v in config.items() if k not in ("omni_format", "tokenizers")} | {"ctc": ctc}
+    torch.manual_seed(cfg["seed"])
+    model = get_builder(BUILDER)(export, tokenizers)
+    own = model.state_dict()
+    for key in sorted(set(own) & set(state_dict)):
+        if own[key].shape != state_dict[key].shape:
+            raise ValueError(f"init {cfg['init']}: {key} has shape {tuple(state_dict[key].shape)}, its own config "
+                             f"builds {tuple(own[key].shape)}")
+    missing, unexpected = model.load_state_dict(state_dict, strict=False)
+    # a tied tensor (the LM head is the text embedding) is stored under one of its names
+    tied = {n for group in tied_names(model) if set(group) & set(state_dict) for n in group}
+    missing = [k for k in missing if k not in tied and not (ctc and not had and k.startswith("ctc_head."))]
+    unexpected = [k for k in unexpected if not (had and not ctc and k.startswith("ctc_head."))]
+    if missing or unexpected:
+        raise ValueError(f"init {cfg['init']}: its weights do not fit its config: missing {names(missing)}; "
+                         f"unexpected {names(unexpected)}")
+    return model, export, tokenizers
+
+
+# ---------------------------------------------------------------------------------------------------
 # Evaluation
 
 
 class Scorer:
     """The Trainer's evaluation: ``eval_fn`` gives each sample's loss and greedy-decodes the first ``limit``
-    samples of the pass (None: all), adding up word and character edits; ``metrics`` (the model_metrics_fn,
+    samples of the pass (None: all) as `omni transcribe` does (``transcribe_batch``: the model's prompt, stop and
+    logit rules), adding up word and character edits; ``metrics`` (the model_metrics_fn,
     run after the pass) turns every rank's sums into corpus WER and CER (with a CTC head also its best-path
     CER: what the encoder alone hears) and the number of reference words scored, then starts over."""
 
@@ -161,13 +295,13 @@ class Scorer:
         keep = batch.targets != IGNORE_INDEX
         nll = torch.nn.functional.cross_entropy(logits.float().transpose(1, 2), batch.targets, reduction="none")
         if self.limit is None or self.samples < self.limit:
-            memory = m.encode(batch.audio, batch.audio_mask)
-            ids = greedy_decode(m, memory, batch.audio_mask, max_new_tokens=self.max_new_tokens, check_every=8)
-            refs = [self.text.decode(ref) for ref in batch.text.tolist()]
+            said = transcribe_batch(m, self.text, batch.audio, batch.audio_mask, max_new_tokens=self.max_new_tokens,
+                                    check_every=8)
+            refs = [self.text.decode(ref) for ref in batch.text.tolist()]  # the prompt's specials are dropped
             heard = ctc_greedy_decode(ctc_logits, batch.audio_mask) if ctc else refs
-            for ref, row, hyp in zip(refs, ids, heard):
-                counts = error_counts(ref, self.text.decode(row))
-                self.sums += torch.tensor([*counts, error_counts(ref, hyp)[2]], dtype=torch.float64)
+            for ref, hyp, ctc_hyp in zip(refs, said, heard):
+                counts = error_counts(ref, hyp)
+                self.sums += torch.tensor([*counts, error_counts(ref, ctc_hyp)[2]], dtype=torch.float64)
             self.samples += len(refs)
         return {"loss": (nll * keep).sum(1) / keep.sum(1)}
 
@@ -233,36 +367,43 @@ def main(argv=None) -> dict:
     rank, world = state.process_index, state.num_processes
     data = ensure_data(cfg, rank, world)
     manifest = read_manifest(data / "manifest.json")
-    eval_split = "test" if "test" in manifest["splits"] else next((s for s in manifest["splits"] if s != "train"), None)
-    audio = AudioTokenizer(max_seconds=cfg["max_seconds"])
-    text = make_text_tokenizer(cfg, data, rank, world)
-    decode = DecodeClip(partial(speech_example, audio, text))
-    collate = SpeechCollate(text.pad_id)
+    train_split, eval_split = choose_splits(cfg, data, manifest["splits"])
+    if cfg["init"] is not None:
+        model, export, tokenizers = from_init(cfg)
+        audio, text = tokenizers["audio"], tokenizers["text"]
+    else:
+        audio = AudioTokenizer(max_seconds=cfg["max_seconds"])
+        text = make_text_tokenizer(cfg, data, rank, world)
+        model, export = from_scratch(cfg, audio, text)
+    ctc = model.ctc_head is not None
+    if cfg["ctc_weight"] is None:  # the run's hparams record the weight it trained with
+        cfg["ctc_weight"] = DEFAULT_CTC_WEIGHT if ctc else 0.0
+    # A clip longer than the model's window is dropped (DecodeClip, with a warning), never cut: cut audio would not
+    # say its transcript. (A converted Whisper's tokenizer cuts, as whisper.transcribe does, so train with a copy.)
+    clips = audio if audio.truncation == "error" else AudioTokenizer(**{**audio.config(), "truncation": "error"})
+    decode = DecodeClip(partial(prompted_example, clips, text, tuple(model.prompt), cfg["text_case"], ctc))
+    # Whisper's front end makes every clip its 1500 tokens, which its encoder's position table covers exactly:
+    # rounding batches up to a multiple of 8 would add positions it does not have.
+    collate = SpeechCollate(text.pad_id, pad_multiple=1 if audio.frontend == "whisper" else 8)
     workers = cfg["workers"] if state.device.type == "cuda" else min(cfg["workers"], 2)
     loader = dict(num_workers=workers, rank=rank, world_size=world, max_corrupt_fraction=cfg["max_corrupt_fraction"])
-    train_data = ShardLoader(data, decode, collate, cfg["batch_size"], split="train", shuffle=True, seed=cfg["seed"],
+    train_data = ShardLoader(data, decode, collate, cfg["batch_size"], split=train_split, shuffle=True, seed=cfg["seed"],
                              drop_last=True, **loader)
     eval_data = None
     if eval_split is not None:
         eval_data = ShardLoader(data, decode, collate, cfg["eval_batch_size"], split=eval_split, shuffle=False,
                                 **loader)
 
-    encoder = preset(cfg["trunk"], **cfg["trunk_overrides"])
-    decoder = preset(cfg["trunk"], cross_attention=True, **cfg["trunk_overrides"])
-    torch.manual_seed(cfg["seed"])
-    model = SpeechRecognizer(audio, text, encoder, decoder, ctc=cfg["ctc_weight"] > 0,
-                             audio_positions=cfg["audio_positions"])
     scorer = Scorer(text, cfg["limit_eval"], cfg["max_new_tokens"])
     config = train_config(cfg, run_name=f"whisper-{cfg['preset']}")
-    export = {"builder": "omni.speech:build_speech_recognizer", "encoder": encoder.to_dict(),
-              "decoder": decoder.to_dict(), "ctc": cfg["ctc_weight"] > 0, "audio_positions": cfg["audio_positions"]}
     trainer = Trainer(model, SpeechLoss(cfg["ctc_weight"]), train_data, config, eval_data=eval_data,
                       eval_fn=scorer.eval_fn, model_metrics_fn=scorer.metrics,
                       samples_fn=Listen(data, eval_split, audio, text, cfg), hparams=cfg, export_config=export,
                       export_tokenizers={"audio": audio, "text": text})
     if state.is_main_process:
         n_params = sum(p.numel() for p in unwrap(trainer.model).parameters())
-        print(f"Whisper preset {cfg['preset']}: {n_params / 1e6:.2f}M parameters, {cfg['steps']} steps "
+        start_from = f", from {cfg['init']}" if cfg["init"] else ""
+        print(f"Whisper preset {cfg['preset']}: {n_params / 1e6:.2f}M parameters{start_from}, {cfg['steps']} steps "
               f"({len(train_data)} per epoch), vocab {text.vocab_size}, {trainer.accelerator.device}", flush=True)
     start = time.time()
     metrics = trainer.fit()
