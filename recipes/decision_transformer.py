@@ -18,6 +18,13 @@ expert references; also in TensorBoard under ``<out>/logs/summary``). Each (meth
 curves and the rollout scores (``eval/[target<R>/]score_mean``; rollouts also every ``eval_every`` steps if
 set) and that run's return plot (image ``eval/returns``), ``curves.png``, the trained model in ``final/``. --set key=value overrides any config entry (Python literals).
 Needs the rl extra: ``pip install -e ".[rl]"`` (gymnasium; mujoco for Hopper-v5 and the other MuJoCo envs).
+
+--set init=PATH starts every run from a model: an omni DT export, or a Hugging Face DecisionTransformerModel
+directory (omni.interop). Its architecture replaces this config's trunk (dropout and action_dropout are this
+run's) and its tokenizer the one fitted to the data (state normalisation, return scale: what the weights were
+trained on; context is this run's). The env must be the model's: other states or actions, a shorter timestep
+table or a context past learned positions are refused in one line (a new action space is not a new head:
+actions are inputs too). A DT starts methods=['dt'], a bc export bc / fbc.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ from omni.config import (FRACTION, NON_EMPTY, POSITIVE, Check, Key, at_least, on
                           recipe_parser, run_recipe, train_config)
 from omni.data.shards import read_manifest
 from omni.deps import require
+from omni.init import DT_BUILDER, init_decision_transformer, init_trajectory_tokenizer, read_init
 from omni.rl import (
     DecisionTransformer,
     SpaceSpec,
@@ -81,6 +89,8 @@ COMMON = dict(
                 help="explicit target returns (over target_fractions)"),
     eval_cache=Key(True, help="KV-cached rollouts"), eval_every=0, checkpoint_every=1000, log_every=100,
     progress=True, report_to="tensorboard", resume="auto", max_corrupt_fraction=0.01,
+    init=Key(None, (str, None), help="start from this model: an omni DT export or a Hugging Face "
+                                     "DecisionTransformerModel directory (module docstring)"),
 )
 PRESETS: dict[str, dict] = {
     # CPU smoke run: a small trunk, a short context, a few hundred steps on a small CartPole set.
@@ -173,9 +183,10 @@ class Rollouts:
 
 
 def train_one(cfg: dict, tok, episodes: list[dict], method: str, seed: int, device: torch.device,
-              rollouts: Rollouts | None = None):
+              rollouts: Rollouts | None = None, source=None):
     """Train one method with one seed in <out>/<method>-seed<seed> (checkpoints, TensorBoard logs, the export;
-    a re-run resumes), evaluated with ``rollouts`` through the Trainer (None: no evaluation)."""
+    a re-run resumes), evaluated with ``rollouts`` through the Trainer (None: no evaluation); ``source``: the
+    model to start from (``omni.init.read_init``)."""
     use_returns = method == "dt"
     data = encode_episodes(tok, episodes, short=cfg["short"]).to(device)
     state = process_state()  # each rank takes its own slice of the windows (accelerate launch)
@@ -184,7 +195,13 @@ def train_one(cfg: dict, tok, episodes: list[dict], method: str, seed: int, devi
     trunk = preset(cfg["trunk"], positions=cfg["positions"], dropout=cfg["dropout"],
                    max_positions=3 * cfg["context"], **cfg["trunk_overrides"])
     torch.manual_seed(seed)
-    model = DecisionTransformer(tok, trunk, use_returns=use_returns, action_dropout=cfg["action_dropout"])
+    kept: dict[str, Any] = {}
+    if source is not None:  # its architecture replaces this config's trunk
+        model, kept = init_decision_transformer(source, cfg["init"], tok, cfg["dropout"], cfg["action_dropout"],
+                                                use_returns)
+        trunk = model.trunk_config
+    else:
+        model = DecisionTransformer(tok, trunk, use_returns=use_returns, action_dropout=cfg["action_dropout"])
 
     def loss_fn(model, batch):
         tokens, targets = batch
@@ -194,7 +211,7 @@ def train_one(cfg: dict, tok, episodes: list[dict], method: str, seed: int, devi
                           warmup_steps=min(cfg["warmup_steps"], cfg["steps"]), cuda_graph=use_cuda_graph(cfg, state),
                           run_name=f"{method}-{seed}")
     export = {"builder": "omni.rl:build_decision_transformer", "trunk": trunk.to_dict(), "use_returns": use_returns,
-              "env_id": cfg["env"], "method": method}
+              "env_id": cfg["env"], "method": method, **kept}
     hparams = {k: v for k, v in cfg.items() if k not in ("methods", "train_seeds")}  # this run's: resume checks them
     trainer = Trainer(model, loss_fn, loader, config, model_metrics_fn=rollouts,
                       samples_fn=rollouts.samples if rollouts is not None else None, hparams=hparams,
@@ -231,6 +248,11 @@ def main(argv=None) -> dict:
     tok = make_tokenizer(episodes, spaces, context=cfg["context"], rtg_scale=cfg["rtg_scale"],
                          max_timestep=max(limit, max(len(ep["actions"]) for ep in episodes)) + 1)
     targets = cfg["targets"] or [ref[0] + f * (ref[1] - ref[0]) for f in cfg["target_fractions"]]
+    source = None
+    if cfg["init"]:  # the model's tokenizer (its normalisation) replaces the one fitted to the data
+        source = read_init(cfg["init"], DT_BUILDER, "recipes/decision_transformer.py", "an omni Decision Transformer "
+                           "export or a Hugging Face DecisionTransformerModel directory")
+        tok = init_trajectory_tokenizer(source, cfg["init"], tok, cfg["context"])
     print(f"{cfg['env']}: {len(episodes)} episodes, returns {min(map(episode_return, episodes)):.1f}.."
           f"{max(map(episode_return, episodes)):.1f}; reference random {ref[0]:.1f} / expert {ref[1]:.1f} "
           f"({ref_source}); {device}", flush=True)
@@ -240,7 +262,7 @@ def main(argv=None) -> dict:
         data = top_episodes(episodes, cfg["fbc_fraction"]) if method == "fbc" else episodes
         for seed in cfg["train_seeds"]:
             rollouts = Rollouts(tok, cfg, targets, ref, limit, device, method)
-            _, metrics = train_one(cfg, tok, data, method, seed, device, rollouts)
+            _, metrics = train_one(cfg, tok, data, method, seed, device, rollouts, source)
             rows = rollouts.rows
             runs.append({"method": method, "seed": seed, "episodes": len(data), "eval_seconds": rollouts.seconds,
                          **{k: v for k, v in metrics.items() if isinstance(v, (int, float))}, "rows": rows})

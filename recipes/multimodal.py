@@ -48,6 +48,12 @@ Tasks (``tasks`` config entry; ``weight`` = sampling weight, ``loss_weight`` = f
 The text task and synthesised speech read Jane Austen's novels (``apt-get install r-cran-janeaustenr``) unless
 ``text`` names your own files or folders: ``--set "text=['corpus.txt']"``.
 
+--set init=PATH starts from a recipes/multimodal.py export: its trunk replaces this config's; the tasks both
+have start from its embedders and heads (their tokenizers must agree), a task it has not (or a classify task
+with another class count) starts with a new head, its tasks this run leaves out are not used. A GPT-2 or other
+text LM export cannot start it: its vocabulary is not the bpe-8k the text and speech tasks share, and its
+learned 1-D position table does not index packed multimodal rows (refused in one line).
+
 A fifth modality needs a config change only: a registered tokenizer (built in or an installed plug-in,
 found through the ``omni.tokenizers`` entry point) and a data callable ``"module:function"`` returning
 ``(items, labels)`` for a split, e.g.
@@ -123,6 +129,7 @@ from omni.config import (NON_EMPTY, Check, Key, at_least, check_corpus, keywords
 from omni.data.builders_speech import build_speech_synth
 from omni.data.clips import DecodeClip, log_mel_tokens
 from omni.deps import require
+from omni.init import OMNI_BUILDER, init_multitask, load_init, new_multitask_tensor, read_init
 from omni.mixture import MixtureLoader
 from omni.multitask import MultitaskModel, merge_tokenizers, multitask_loss
 from omni.segment import Segment
@@ -187,6 +194,7 @@ COMMON = dict(
     only=Key(None, (str, list, None), each=Key(type=str),
              help="a task name (or list of names) to train alone: the single-task baseline, same trunk and budget"),
     max_corrupt_fraction=0.01, resume="auto",
+    init=Key(None, (str, None), help="start from this model: a recipes/multimodal.py export (module docstring)"),
 )
 PRESETS: dict[str, dict[str, Any]] = {
     # CPU smoke run: a tiny trunk, a few hundred samples per task, two rows of 512 tokens.
@@ -473,8 +481,16 @@ def build(cfg: dict, rank: int = 0, world: int = 1):
     """(model, train loader, eval loader, tasks) for a config: what main trains, and what tests inspect."""
     tasks = rank_zero_first(lambda: build_tasks(cfg), rank, world)
     trunk = preset(cfg["trunk"], positions=cfg["positions"], **cfg["trunk_overrides"])
+    source = None
+    if cfg["init"]:  # its trunk replaces this config's; the tokenizers of the tasks both have must agree
+        source = read_init(cfg["init"], OMNI_BUILDER, "recipes/multimodal.py", "a recipes/multimodal.py export")
+        trunk = init_multitask(source, cfg["init"], merge_tokenizers(tasks["train"]))
     torch.manual_seed(cfg["seed"])
     model = MultitaskModel(tasks["train"], trunk)
+    if source is not None:
+        fresh = load_init(model.omni, source[1], cfg["init"], new=new_multitask_tensor)
+        if fresh and rank == 0:
+            print(f"init {cfg['init']}: new (not in it, or another shape): {', '.join(fresh)}", flush=True)
     common = dict(row_length=cfg["row_length"], rows=cfg["rows"], max_misses=cfg["max_misses"], rank=rank,
                   world_size=world)
     train = MixtureLoader(tasks["train"], batches_per_epoch=cfg["batches_per_epoch"], seed=cfg["seed"],
