@@ -211,6 +211,7 @@ from omni.interop import gpt2 as _gpt2  # noqa: E402  (HF GPT-2, and the GPT-2 b
 from omni.interop import hf_decision_transformer as _hf_dt  # noqa: E402
 from omni.interop import hf_vit as _hf_vit  # noqa: E402  (imports timm's module: it reuses its layout)
 from omni.interop import timm as _timm  # noqa: E402
+from omni.interop import whisper as _whisper  # noqa: E402  (hf family "whisper" and the "openai-whisper" converter)
 
 __all__ = ["CONVERTERS", "ConversionError", "Converter", "Export", "check_tensors", "convert", "find_converter",
            "fresh_output", "get_converter", "is_export", "names", "read_directory", "read_export", "read_model",
