@@ -18,7 +18,7 @@ from omni.cli import main as omni_main
 from omni.export import load_pretrained, save_pretrained
 from omni.interop import ConversionError, convert, read_model, to_peer
 from omni.interop.whisper import from_hf, from_openai, non_speech_tokens, to_hf, to_openai
-from omni.speech import SpeechLoss, SpeechRecognizer, build_speech_recognizer, greedy_decode, transcribe_waveforms
+from omni.speech import GraphedGreedyDecoder, SpeechLoss, SpeechRecognizer, build_speech_recognizer, greedy_decode, transcribe_waveforms
 from omni.tokenizers.audio import AudioTokenizer
 
 whisper = pytest.importorskip("whisper")
@@ -218,6 +218,8 @@ def test_greedy_tokens_equal_whisper_decode(dims, capsys):
         audio, mask = omni_audio(model, tok, clips)
         memory = model.encode(audio, mask)
         got = greedy_decode(model, memory, mask, **dict(model.decoding.guards))
+        # the fixed-shape step a CUDA graph replays (run eagerly here) applies the same rules
+        stepped = GraphedGreedyDecoder(model, **dict(model.decoding.guards), graph=False)(memory, mask)
         rules, model.logit_filters = model.logit_filters, nn.ModuleList()
         unruled = greedy_decode(model, memory, mask, **dict(model.decoding.guards))
         model.logit_filters = rules
@@ -225,6 +227,7 @@ def test_greedy_tokens_equal_whisper_decode(dims, capsys):
            f"{[g == r.tokens for g, r in zip(got, expected)]}", 0.0, capsys)
     assert got == [r.tokens for r in expected]
     assert unruled != got  # the suppress rules were exercised
+    assert stepped == got
     # omni's own transcription path (pad_audio pads 1500 tokens to 1504: the stem and masks keep it exact)
     texts = transcribe_waveforms(model, tok, text_tok, clips)
     assert texts == [text_tok.decode(r.tokens).strip() for r in expected]  # whisper's .text keeps specials
