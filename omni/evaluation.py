@@ -26,7 +26,8 @@ What a person looks at, beside the numbers (``Pictures``, built by the Trainer f
 * Samples: ``samples_fn(model, step) -> [omni.plots.Picture | Clip | Note]`` (a recipe's, or its tasks'
   ``Task.samples``) runs after each evaluation on the main process, under the evaluation's conditions (eval mode, no gradients,
   autocast, RNG streams restored) with the plain module; its pictures, audio clips and texts go to
-  TensorBoard (``add_image``, ``add_audio``, ``add_text``). Not under FSDP (every forward is collective there).
+  TensorBoard (``add_image``, ``add_audio``, ``add_text``), and the pictures of the latest evaluation also to
+  ``output_dir/samples/<tag>.png`` (the tag's "/" as "_"), for a person without TensorBoard. Not under FSDP (every forward is collective there).
 * matplotlib is optional (the ``viz`` extra): without it one warning line says how to install it and the run
   goes on without pictures. A picture that fails to draw is a warning too: it never fails a trained run.
 """
@@ -53,6 +54,7 @@ ModelMetricsFn = Callable[[nn.Module, int], Mapping[str, float | Tensor]]
 SamplesFn = Callable[[nn.Module, int], Sequence[Any]]  # -> omni.plots.Picture | Clip | Note items
 HISTORY_NAME = "history.jsonl"
 CURVES_NAME = "curves.png"
+SAMPLES_DIR = "samples"
 
 
 @contextlib.contextmanager
@@ -260,12 +262,9 @@ class Pictures:
             self.history.records, self.path, title=self.title)) is not None else None
 
     def samples(self, model: nn.Module, step: int) -> int:
-        """Run ``samples_fn`` on the plain ``model`` under the evaluation's conditions and log its items to
-        TensorBoard at ``step``; the number of items logged."""
+        """Run ``samples_fn`` on the plain ``model`` under the evaluation's conditions, log its items to
+        TensorBoard at ``step`` and write its pictures to ``output_dir/samples/``; the number of items."""
         if self.samples_fn is None or not self.enabled or self.accelerator.distributed_type == "FSDP":
-            return 0
-        writer = self.writer()
-        if writer is None:
             return 0
         was_training = model.training
         model.eval()
@@ -274,7 +273,14 @@ class Pictures:
                 items = self._draw("the sample pictures", lambda: list(self.samples_fn(model, step)))
         finally:
             model.train(was_training)
-        return log_items(writer, items or [], step)
+        items = items or []
+        from omni.plots import Picture, write_png
+
+        for item in items:
+            if isinstance(item, Picture):
+                write_png(item.image, self.path.parent / SAMPLES_DIR / f"{item.tag.replace('/', '_')}.png")
+        writer = self.writer()
+        return log_items(writer, items, step) if writer is not None else len(items)
 
     def writer(self) -> Any:
         """The TensorBoard SummaryWriter of the run's trackers (None without one)."""
@@ -327,5 +333,5 @@ def log_items(writer: Any, items: Sequence[Any], step: int) -> int:
     return len(items)
 
 
-__all__ = ["CURVES_NAME", "Evaluator", "HISTORY_NAME", "MetricHistory", "Pictures", "SamplesFn", "drawn", "log_items",
-           "preserved_rng", "read_history"]
+__all__ = ["CURVES_NAME", "Evaluator", "HISTORY_NAME", "MetricHistory", "Pictures", "SAMPLES_DIR", "SamplesFn", "drawn",
+           "log_items", "preserved_rng", "read_history"]

@@ -216,6 +216,7 @@ def test_samples_go_to_tensorboard_as_images_audio_and_text(tmp_path):
     assert audio.sample_rate == 16000 and audio.length_frames == 1600
     note = acc.Tensors("eval/note/text_summary")[-1]
     assert note.tensor_proto.string_val[0] == b"step 6"
+    assert np.array_equal(png(tmp_path / "samples" / "eval_grid.png"), np.full((20, 30, 3), 42, np.uint8))  # the last
 
 
 def test_a_run_without_matplotlib_warns_once_and_finishes(tmp_path, monkeypatch):
@@ -313,6 +314,7 @@ def test_vit_recipe_writes_curves_and_logs_its_prediction_grid(vit_run):
     grid = np.asarray(Image.open(__import__("io").BytesIO(event.encoded_image_string)).convert("RGB"))
     assert event.step == 4 and grid.shape == (2 * 200 + 40, 8 * 155, 3)
     assert_picture(grid)
+    assert np.array_equal(png(vit_run / "samples" / "eval_predictions.png"), grid)
 
 
 def test_predict_attention_writes_one_picture_per_image(vit_run, tmp_path, capsys):
