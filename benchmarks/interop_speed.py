@@ -108,10 +108,10 @@ def whisper(args: argparse.Namespace) -> list[tuple[str, float]]:
     mel = torch.randn(batch, mels, 3000, device=args.device)
     text = torch.randint(0, 50257, (batch, 65), device=args.device)
     inputs, targets = text[:, :-1], text[:, 1:]
-    frames = mel.transpose(1, 2)  # omni's audio tokens are (B, frames, n_mels)
+    frames = mel.transpose(1, 2).reshape(batch, 1500, 2 * mels)  # omni's Whisper tokens: frame pairs (B, 1500, 2 n_mels)
     with torch.no_grad():
         diff = (ours(frames[:1], None, inputs[:1]) - peer(input_features=mel[:1], decoder_input_ids=inputs[:1]).logits)
-    print(f"whisper {args.dims}: omni vs HF fp32 logits max |diff| {diff.abs().max().item():.2e}")
+    print(f"whisper {'smoke' if args.smoke else args.dims}: omni vs HF fp32 logits max |diff| {diff.abs().max().item():.2e}")
 
     def peer_loss(m: nn.Module) -> Tensor:
         logits = m(input_features=mel, decoder_input_ids=inputs).logits
