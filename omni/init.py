@@ -39,8 +39,8 @@ def read_init(path: str | os.PathLike, builders: str | tuple[str, ...], recipe: 
     builders = (builders,) if isinstance(builders, str) else builders
     try:
         source = read_model(path, **options)
-    except ConversionError as exc:
-        raise ValueError(f"init {path}: {exc}") from exc
+    except ConversionError as exc:  # its message names the file already, or says which
+        raise ValueError(f"init: {exc}" if str(exc).startswith(str(path)) else f"init {path}: {exc}") from exc
     builder = source[0].get("builder")
     if builder not in builders:
         raise ValueError(f"init {path}: a {builder!r} model; {recipe} starts from {takes}")
@@ -153,4 +153,5 @@ def new_multitask_tensor(key: str) -> bool:
     return key.startswith(("heads.", "embedders."))
 
 
-__all__ = ["DT_BUILDER", "OMNI_BUILDER", "init_decision_transformer", "init_multitask", "init_trajectory_tokenizer", "load_init", "new_multitask_tensor", "read_init"]
+__all__ = ["DT_BUILDER", "OMNI_BUILDER", "init_decision_transformer", "init_multitask", "init_trajectory_tokenizer",
+           "load_init", "new_multitask_tensor", "read_init"]

@@ -10,10 +10,11 @@
 --data takes a dataset directory written by `omni data fashion-mnist` or `omni data images`
 (webdataset shards + manifest.json with class names). --set key=value overrides any config entry.
 
---set init=PATH starts from a model: an omni export, or a timm checkpoint (a hub directory, or a state dict
-file with --set init_arch=NAME; omni.interop). Its architecture (trunk, patch, pool, channels, normalisation)
-replaces this config's; the image size and the classes are this run's: another size resamples its position
-table, another class count gets a new head.
+--set init=PATH starts from a model: an omni export, a timm checkpoint (a hub directory, or a state dict
+file with --set init_arch=NAME) or a Hugging Face ViT directory (ViTForImageClassification, or a ViTModel
+backbone: a classifier without classes; omni.interop). Its architecture (trunk, patch, pool, channels,
+normalisation) replaces this config's; the image size and the classes are this run's: another size resamples its
+position table, another class count gets a new head (omni.init.read_init, omni.vision.adapt_classifier).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from omni.config import (FRACTION, POSITIVE, Key, at_least, between, one_of, ran
 from omni.data.memory import TensorLoader, materialise
 from omni.data.reader import ShardLoader
 from omni.data.shards import read_manifest
+from omni.init import read_init
 from omni.tokenizers.image import ImageTokenizer
 from omni.train import Trainer, process_state, unwrap
 from omni.trunk import preset
@@ -57,7 +59,8 @@ COMMON = dict(
     compile=False, eval_every_epochs=Key(1.0, check=at_least(0), help="0: evaluate at the end only"),
     checkpoint_every_epochs=Key(1.0, check=at_least(0), help="0: no checkpoints"), seed=0, progress=True,
     limit_train=None, limit_eval=None, max_corrupt_fraction=0.01, resume="auto",
-    init=Key(None, (str, None), help="start from this model: an omni export or a timm checkpoint (module docstring)"),
+    init=Key(None, (str, None), help="start from this model: an omni export, a timm or HF ViT checkpoint (module "
+                                     "docstring)"),
     init_arch=Key(None, (str, None), help="the timm architecture of a state dict file given as init"),
 )
 PRESETS: dict[str, dict] = {
@@ -183,11 +186,8 @@ def main(argv=None) -> dict:
     state = process_state()
     source = None
     if cfg["init"]:  # the model to start from decides the channels the data is decoded to
-        from omni.interop import read_model
-
-        source = read_model(cfg["init"], arch=cfg["init_arch"])
-        if source[0].get("builder") != BUILDER:
-            raise ValueError(f"init {cfg['init']} is not an image classifier (builder {source[0].get('builder')!r})")
+        source = read_init(cfg["init"], BUILDER, "recipes/vit.py", "an image classifier (an omni export, a timm or "
+                           "Hugging Face ViT checkpoint)", arch=cfg["init_arch"])
         cfg["channels"] = source[2]["image"].channels
     train_data, eval_data, class_names = build_data(cfg, state.process_index, state.num_processes, state.device)
     n_classes = len(class_names)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import math
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -271,3 +270,28 @@ def test_exports_hf_cannot_hold_are_refused(tmp_path):
     export = save_pretrained(model, tmp_path / "omni", model.export_config(), tokenizers={"image": image})
     with pytest.raises(ConversionError, match="HF's ViT cannot hold this export: it has pool 'mean'"):
         to_peer(export, tmp_path / "hf", "hf")
+
+
+def test_recipe_starts_from_a_hf_vit(tiny_corpora, tmp_path):
+    """recipes/vit.py --set init=<HF ViT directory>: 3 channels, 28 px, 5 -> 10 classes (a new zero head: the first
+    evaluation is the uniform loss ln 10); the tuned export goes back to ViTForImageClassification."""
+    from test_vit_recipe import load_recipe
+
+    from omni.data.builders_vision import build_fashion_mnist
+
+    shards = tmp_path / "shards"
+    build_fashion_mnist(shards, source=tiny_corpora.fashion_mnist, quiet=True)
+    hf_vit(seed=12, **{**SMALL, "image_size": 28, "patch_size": 7}).save_pretrained(tmp_path / "hf")
+    metrics = load_recipe().main(["--preset", "tiny", "--data", str(shards), "--out", str(tmp_path / "run"), "--set",
+                                  f"init={str(tmp_path / 'hf')!r}", "progress=False", "workers=0", "steps=1",
+                                  "lr=1e-12", "pad=0", "limit_eval=64"])
+    assert metrics["eval/loss"] == pytest.approx(math.log(10), abs=1e-6)
+    back = ViTForImageClassification.from_pretrained(to_peer(tmp_path / "run" / "final", tmp_path / "back", "hf"))
+    assert back.config.num_labels == 10 and back.config.num_channels == 3
+    from omni.model import OmniModel
+
+    other = OmniModel({}, TrunkConfig(d_model=16, n_layers=1, n_heads=2))
+    save_pretrained(other, tmp_path / "other", other.export_config(), tokenizers={})
+    with pytest.raises(ValueError, match="other: a 'omni' model; recipes/vit.py starts from an image classifier"):
+        load_recipe().main(["--preset", "tiny", "--data", str(shards), "--out", str(tmp_path / "x"), "--set",
+                            f"init={str(tmp_path / 'other')!r}", "steps=1"])

@@ -93,8 +93,8 @@ def test_decision_transformer_refuses_what_does_not_fit(cartpole, tmp_path):
     vit = ImageClassifier(image, TrunkConfig(d_model=16, n_layers=1, n_heads=2, positions="learned_1d",
                                              max_positions=5), 3, pool="cls")
     save_pretrained(vit, tmp_path / "vit", vit.export_config(), tokenizers={"image": image})
-    with pytest.raises(ValueError, match="a 'omni.vision:build_image_classifier' model; recipes/decision_transformer.py "
-                                         "starts from an omni Decision Transformer export"):
+    with pytest.raises(ValueError, match="a 'omni.vision:build_image_classifier' model; "
+                                         "recipes/decision_transformer.py starts from an omni Decision Transformer"):
         recipe.main(dt_args(data, tmp_path / "c", f"init={str(tmp_path / 'vit')!r}", "steps=1"))
 
 

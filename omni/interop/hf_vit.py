@@ -270,10 +270,12 @@ def to_hf(config: Mapping[str, Any], state_dict: Mapping[str, Tensor], image: Im
         raise ValueError(f"HF's ViT is an image classifier; the export's builder is {config.get('builder')!r}")
     trunk, head = TrunkConfig(**config["trunk"]), head_options(config)
     problems = {
-        f"positions {trunk.positions!r} (HF's ViT has one learned table: 'learned_1d')": trunk.positions != "learned_1d",
+        f"positions {trunk.positions!r} (HF's ViT has one learned table: 'learned_1d')":
+            trunk.positions != "learned_1d",
         f"{trunk.norm}, bias={trunk.bias}, n_kv_heads={trunk.n_kv_heads}, cross_attention={trunk.cross_attention} "
         "(HF: layernorm with bias, no GQA, no cross attention)":
-            (trunk.norm, trunk.bias, trunk.kv_heads, trunk.cross_attention) != ("layernorm", True, trunk.n_heads, False),
+            (trunk.norm, trunk.bias, trunk.kv_heads, trunk.cross_attention)
+            != ("layernorm", True, trunk.n_heads, False),
         f"activation {trunk.activation!r}": trunk.activation not in HF_ACTIVATIONS,
         f"pool {head['pool']!r} (HF's ViT classifies the CLS token)": head["pool"] != "cls" or not image.cls,
         "a head norm, or no final norm (HF's ViT ends on one layernorm over every token)":
