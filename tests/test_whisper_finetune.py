@@ -122,6 +122,9 @@ def test_finetune_refusals(shards, omni_init, tmp_path, monkeypatch, capsys):
     with pytest.raises(ValueError, match=r"no split 'train-clean-100' to train on \(splits: test, train\): set train_split="):
         recipe.main(["--preset", "tiny", "--data", str(shards), "--out", str(tmp_path / "x"), "--set",
                      "train_split='train-clean-100'"])
+    with pytest.raises(ValueError, match=r"^init.*nowhere does not exist$"):
+        recipe.main(["--preset", "tiny", "--data", str(shards), "--out", str(tmp_path / "x"), "--set",
+                     f"init='{tmp_path / 'nowhere'}'"])
     with pytest.raises(ValueError, match=r"no split 'dev' to evaluate on"):
         recipe.main(["--preset", "tiny", "--data", str(shards), "--out", str(tmp_path / "x"), "--set",
                      "eval_split='dev'"])
@@ -135,7 +138,6 @@ def test_finetune_refusals(shards, omni_init, tmp_path, monkeypatch, capsys):
 def hf_whisper(tmp_path_factory) -> Path:
     """A random tiny HF WhisperForConditionalGeneration saved as a hub directory (no download)."""
     transformers = pytest.importorskip("transformers")
-    pytest.importorskip("omni.interop.whisper", reason="the Whisper converter (omni.interop.whisper) reads it")
     config = transformers.WhisperConfig(vocab_size=51865, num_mel_bins=80, d_model=64, encoder_layers=2,
                                         decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
                                         encoder_ffn_dim=256, decoder_ffn_dim=256, max_source_positions=1500,
