@@ -132,14 +132,32 @@ def test_resize_numbers() -> None:
     # constant image stays constant through the antialiased resize
     seg = tok.encode(torch.full((3, 37, 53), 0.75), key="c")
     torch.testing.assert_close(seg.tokens, torch.full_like(seg.tokens, 0.5), atol=1e-6, rtol=0)
-    # pixel checkerboard (alternating columns) downscaled 2x: interior outputs average to 0.5
-    x = torch.zeros(3, 32, 64)
-    x[..., 1::2] = 1.0
+    # pixel checkerboard (alternating columns, not 8-bit values) downscaled 2x: interior outputs average to 0.5
+    x = torch.full((3, 32, 64), 0.1001)
+    x[..., 1::2] = 0.8999
     tok2 = ImageTokenizer(patch_size=16, policy="resize", image_size=(16, 32), mean=0.0, std=1.0)
     img = tok2.decode(tok2.encode(x, key="chk"))
     torch.testing.assert_close(img[..., 1:-1], torch.full((3, 16, 30), 0.5), atol=1e-6, rtol=0)
     expected = TF.resize(x[None], [16, 32], antialias=True)[0]
     torch.testing.assert_close(img, expected, atol=1e-6, rtol=0)
+    # 8-bit pixels are resampled by PIL in 8 bits, as torchvision / HF image processors resize PIL images
+    from PIL import Image
+
+    u8 = torch.randint(0, 256, (3, 20, 30), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    for mode in ("bilinear", "bicubic"):
+        tok3 = ImageTokenizer(patch_size=16, policy="resize", image_size=(48, 32), mean=0.0, std=1.0,
+                              interpolation=mode)
+        pil = [TF.resize(Image.fromarray(band.numpy()), [48, 32], interpolation=TF.InterpolationMode(mode))
+               for band in u8]
+        expected = torch.stack([torch.from_numpy(__import__("numpy").array(b)) for b in pil]).float() / 255
+        torch.testing.assert_close(tok3.decode(tok3.encode(u8, key="u8")), expected, atol=1e-6, rtol=0)
+    # a bicubic upsample of a hard edge overshoots; the result stays inside [0, 1] (as PIL clips)
+    edge = torch.zeros(3, 8, 8) + 0.0001
+    edge[..., 4:] = 0.9999
+    tok4 = ImageTokenizer(patch_size=16, policy="resize", image_size=(32, 32), mean=0.0, std=1.0,
+                          interpolation="bicubic")
+    up = tok4.decode(tok4.encode(edge, key="edge"))
+    assert up.min() >= 0.0 and up.max() <= 1.0
 
 
 def test_max_patches_error_and_resize() -> None:

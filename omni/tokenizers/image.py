@@ -21,7 +21,7 @@ Pipeline (``encode`` for one image, ``encode_batch`` for a uniform (B, C, H, W) 
      add nothing through the patch projection but its bias. Every patch of the padded canvas is a
      token (also all-padding ones), so ``n == gh * gw`` always and the grid is
      ``ceil(H / p) x ceil(W / p)`` (or ``image_size / p``); 37x53 at p=16 -> (3, 4), 1x1 -> (1, 1).
-   - ``"resize"``: antialiased bilinear resize (torchvision) to ``image_size`` (aspect not kept,
+   - ``"resize"``: resize (the ``interpolation`` filter, as "crop" resamples) to ``image_size`` (aspect not kept,
      like ``Resize((H, W))``) or, without ``image_size``, to the nearest multiple of ``patch_size``
      per side (at least one patch); 37x53 at p=16 -> 32x48, grid (2, 3); 1x1 -> 16x16, grid (1, 1).
 
@@ -503,7 +503,7 @@ class ImageTokenizer(Tokenizer):
         if self.policy == "crop":
             x = self._resize_crop(x)
         elif (ch, cw) != (h, w):
-            x = TF.resize(x, [ch, cw], interpolation=TF.InterpolationMode(self.interpolation), antialias=True)
+            x = self._resample(x, [ch, cw])
         mean = torch.tensor(self.mean, dtype=x.dtype, device=x.device).view(1, -1, 1, 1)
         std = torch.tensor(self.std, dtype=x.dtype, device=x.device).view(1, -1, 1, 1)
         x = (x - mean) / std
@@ -529,17 +529,22 @@ class ImageTokenizer(Tokenizer):
     def _resize_crop(self, x: Tensor) -> Tensor:
         """(B, C, H, W) in [0, 1] -> (B, C, *image_size): the shorter side to ``resize``, then the centre."""
         assert self.resize is not None and self.image_size is not None  # the constructor's check
+        return TF.center_crop(self._resample(x, [self.resize]), list(self.image_size))
+
+    def _resample(self, x: Tensor, size: list[int]) -> Tensor:
+        """(B, C, H, W) in [0, 1] resized as torchvision's ``Resize(size)`` (one int: the shorter side, aspect
+        kept). 8-bit images (every value k / 255) go through PIL in 8 bits, one band at a time, as torchvision
+        and Hugging Face image processors resize PIL images, so the pixels equal theirs bit for bit; others
+        through torch's antialiased kernel. Both clip to [0, 1]: a bicubic filter overshoots at edges."""
         mode = TF.InterpolationMode(self.interpolation)
         q = x * 255
-        if torch.equal(q, q.round()):  # 8-bit pixels: PIL, one band at a time, as torchvision resizes PIL images
+        if torch.equal(q, q.round()):
             from PIL import Image
 
-            x = torch.stack([torch.stack([torch.from_numpy(np.array(
-                TF.resize(Image.fromarray(band.numpy()), [self.resize], interpolation=mode))) for band in image])
+            return torch.stack([torch.stack([torch.from_numpy(np.array(
+                TF.resize(Image.fromarray(band.numpy()), size, interpolation=mode))) for band in image])
                 for image in q.to(torch.uint8).cpu()]).to(x.device, torch.float32) / 255
-        else:
-            x = TF.resize(x, [self.resize], interpolation=mode, antialias=True).clamp(0.0, 1.0)
-        return TF.center_crop(x, list(self.image_size))
+        return TF.resize(x, size, interpolation=mode, antialias=True).clamp(0.0, 1.0)
 
     def token_positions(self, grid: Sequence[int], device: torch.device | str | None = None) -> Tensor:
         """Positions (n (+ 1), 2) int64 of an image's tokens on a (gh, gw) grid: (row, col), CLS at (0, 0)
