@@ -118,8 +118,6 @@ def parse_args(argv=None) -> dict:
     ap = recipe_parser(__doc__, COMMON, PRESETS, "base on CUDA, tiny otherwise",
                        data_help="dataset directory (manifest.json + shards with audio + .txt)")
     cfg = recipe_config(ap, ap.parse_args(argv), COMMON, PRESETS, "base" if torch.cuda.is_available() else "tiny")
-    if cfg["init"] is None and cfg["preset"] == "finetune":
-        ap.error("preset 'finetune' fine-tunes a model: --set init=PATH (an omni speech export or a Whisper checkpoint)")
     if cfg["init"] is not None and cfg["bpe_vocab"] is not None:
         ap.error("bpe_vocab fits a new tokenizer, init brings its own: set one of them")
     if cfg["data"] is None:
@@ -367,6 +365,9 @@ class Listen:
 
 def main(argv=None) -> dict:
     cfg = parse_args(argv)
+    if cfg["init"] is None and cfg["preset"] == "finetune":  # checked here: every preset parses on its own
+        raise ValueError("preset 'finetune' fine-tunes a model: --set init=PATH (an omni speech export or a Whisper "
+                         "checkpoint)")
     state = process_state()
     rank, world = state.process_index, state.num_processes
     data = ensure_data(cfg, rank, world)

@@ -113,9 +113,8 @@ def test_finetune_an_omni_export_with_whisper_tokens(shards, omni_init, whisper_
 
 def test_finetune_refusals(shards, omni_init, tmp_path, monkeypatch, capsys):
     recipe = load_recipe()
-    with pytest.raises(SystemExit):
-        recipe.parse_args(["--preset", "finetune", "--data", str(shards)])
-    assert "preset 'finetune' fine-tunes a model: --set init=PATH" in capsys.readouterr().err
+    with pytest.raises(ValueError, match=r"preset 'finetune' fine-tunes a model: --set init=PATH"):
+        recipe.main(["--preset", "finetune", "--data", str(shards), "--out", str(tmp_path / "x")])
     with pytest.raises(SystemExit):
         recipe.parse_args(["--preset", "tiny", "--set", f"init='{omni_init}'", "bpe_vocab=300"])
     assert "bpe_vocab fits a new tokenizer, init brings its own" in capsys.readouterr().err
