@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from omni.data.builders_speech import build_librispeech
 from omni.export import load_pretrained, save_pretrained
-from omni.speech import SpeechRecognizer, load_recognizer
+from omni.speech import SpeechRecognizer, error_rates, load_recognizer, transcribe_files
 from omni.tokenizers.audio import AudioTokenizer
 from omni.tokenizers.text import IGNORE_INDEX
 from omni.trunk import preset
@@ -188,6 +188,13 @@ def test_finetune_a_hugging_face_whisper(shards, hf_whisper, whisper_text, tmp_p
     model, _, text = load_recognizer(tmp_path / "run" / "final", device="cpu")
     assert model.prompt == prompt and text.vocab_size == 51865 and model.ctc_head is None
     assert model.decoding.suppress_tokens and {"eval/wer", "eval/cer"} <= set(metrics)
+    # the recipe's WER / CER are those of `omni transcribe` on the test FLACs: the same decoding
+    tree = shards.parent / "LibriSpeech" / "dev-clean-2"
+    flacs = sorted(tree.rglob("*.flac"))
+    heard = transcribe_files(tmp_path / "run" / "final", flacs, device="cpu", max_new_tokens=6)
+    refs = [transcript(84, int(f.stem.split("-")[-1])) for f in flacs]
+    rates = error_rates(refs, heard)
+    assert (rates["wer"], rates["cer"]) == pytest.approx((metrics["eval/wer"], metrics["eval/cer"]), abs=1e-12)
     from omni.interop import to_peer
 
     back = WhisperForConditionalGeneration.from_pretrained(to_peer(tmp_path / "run" / "final", tmp_path / "hf", "hf"))
