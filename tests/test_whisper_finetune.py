@@ -214,3 +214,20 @@ def test_ctc_head_added_to_an_init_without_one(omni_init):
     assert all(torch.equal(plain[k], tuned[k]) for k in plain)
     same, _, _ = recipe.from_init({"init": str(omni_init), "ctc_weight": None, "seed": 0})
     assert same.ctc_head is None
+
+
+def test_every_whisper_source_gives_one_model(hf_whisper, tmp_path):
+    """init= an HF directory, its omni export (omni convert) or its openai-whisper .pt: the same model, prompt and
+    tokenizers (the recipe then trains them alike)."""
+    from omni.interop import convert, to_peer
+
+    recipe = load_recipe()
+    export = convert(hf_whisper, tmp_path / "export")
+    pt = to_peer(export, tmp_path / "openai" / "tiny.pt", "openai-whisper")
+    models = [recipe.from_init({"init": str(src), "ctc_weight": None, "seed": 0}) for src in (hf_whisper, export, pt)]
+    (first, config, toks), *others = models
+    for model, other_config, other_toks in others:
+        assert model.prompt == first.prompt and other_config["decoding"] == config["decoding"]
+        assert other_toks["audio"].config() == toks["audio"].config() and other_toks["text"].vocab_size == 51865
+        own = first.state_dict()
+        assert all(torch.equal(own[k], v) for k, v in model.state_dict().items())
