@@ -145,10 +145,12 @@ def one_line(exc: BaseException) -> str:
 
 # -- predict / transcribe: one result per file ----------------------------------------------------------------
 def _run_on_files(args: argparse.Namespace, files: Sequence[str], run: Callable[[Path], list[Any]],
-                  text: Callable[[Any], str], entry: Callable[[Any], dict[str, Any]]) -> int:
+                  text: Callable[[Any], str], entry: Callable[[Any], dict[str, Any]],
+                  emit: Callable[[str, Any], None] | None = None) -> int:
     """Check the export, ``run(checkpoint)`` (one result or exception per file), print the good files (txt: one
-    "file: text" line each; json: one list of {"file", ...} objects, bad files {"file", "error"}) and name each
-    bad file with its reason on stderr. The exit status of the module docstring."""
+    "file: text" line each; json: one list of {"file", ...} objects, bad files {"file", "error"}; or, given
+    ``emit``, ``emit(file, result)`` instead) and name each bad file with its reason on stderr. The exit status of
+    the module docstring."""
     from omni.export import resolve_export_dir
 
     prog = f"omni {args.command}"
@@ -171,11 +173,13 @@ def _run_on_files(args: argparse.Namespace, files: Sequence[str], run: Callable[
             reason = one_line(result).removeprefix(f"{f}: ")  # library messages start with the file
             print(f"{prog}: {f}: {reason}", file=sys.stderr)
             rows.append({"file": f, "error": reason})
+        elif emit is not None:
+            emit(f, result)
         else:
             rows.append({"file": f, **entry(result)})
             if args.format == "txt":
                 print(f"{f}: {text(result)}")
-    if args.format == "json":
+    if args.format == "json" and emit is None:
         print(json.dumps(rows, indent=2, ensure_ascii=False))
     if bad:
         print(f"{prog}: {bad} of {len(files)} file{'s' if len(files) > 1 else ''} failed", file=sys.stderr)
@@ -215,14 +219,76 @@ def _predict(args: argparse.Namespace) -> int:
 
 def _transcribe(args: argparse.Namespace) -> int:
     from omni.speech import transcribe_files
+    from omni.transcript_formats import output_paths, render, transcript_json, write_atomic
 
-    return _run_on_files(
-        args, args.files,
-        lambda checkpoint: transcribe_files(checkpoint, args.files, beam_size=args.beam_size,
-                                            length_penalty=args.length_penalty, batch_size=args.batch_size,
-                                            device=args.device, max_new_tokens=args.max_new_tokens,
-                                            return_exceptions=True),
-        text=str, entry=lambda text: {"text": text})
+    timed_only = args.format in ("srt", "vtt") or args.alignment is not None or args.timestamps != "auto"
+    if args.format in ("srt", "vtt") and len(args.files) > 1 and args.output_dir is None:
+        raise UsageError(f"--format {args.format} is one document per file: give --output-dir DIR for "
+                         f"{len(args.files)} files")
+    outputs: dict[str, Path] = {}
+    pictures: dict[str, Path] = {}
+    for option, directory in (("--output-dir", args.output_dir), ("--alignment", args.alignment)):
+        if directory is not None and Path(directory).exists() and not Path(directory).is_dir():
+            raise UsageError(f"{option} {directory}: not a directory")
+    if args.alignment is not None:
+        from omni.deps import MissingDependency, require
+
+        try:
+            require("matplotlib", "viz")
+        except MissingDependency as exc:
+            raise UsageError(f"--alignment draws pictures: {exc}") from exc
+        pictures = dict(zip(args.files, output_paths(args.files, args.alignment, ".png")))
+    if args.output_dir is not None:
+        outputs = dict(zip(args.files, output_paths(args.files, args.output_dir, f".{args.format}")))
+    timed = False
+
+    def run(checkpoint: Path) -> list[Any]:
+        nonlocal timed
+        from omni.export import load_config
+
+        config = load_config(checkpoint)
+        recognizer = config.get("builder") == "omni.speech:build_speech_recognizer"  # cross-attention, maybe CTC
+        if timed_only and not recognizer:
+            what = ", ".join(o for o, on in (("--format " + args.format, args.format in ("srt", "vtt")),
+                                            ("--alignment", args.alignment is not None),
+                                            ("--timestamps " + args.timestamps, args.timestamps != "auto")) if on)
+            raise UsageError(f"{what} needs word timestamps, which only a speech recognizer export "
+                             f"(recipes/whisper.py) gives; {checkpoint} is {_fits(config)[0]}")
+        timed = recognizer and (args.format != "txt" or args.alignment is not None)  # txt alone needs no times
+        if args.timestamps == "ctc" and not config.get("ctc"):
+            raise UsageError(f"--timestamps ctc: {checkpoint} has no CTC head (trained with ctc_weight=0); "
+                             "use --timestamps attention")
+        results = transcribe_files(checkpoint, args.files, beam_size=args.beam_size,
+                                   length_penalty=args.length_penalty, batch_size=args.batch_size, device=args.device,
+                                   max_new_tokens=args.max_new_tokens, return_exceptions=True, timestamps=timed,
+                                   timing={"method": args.timestamps, "keep_alignment": bool(pictures)})
+        if pictures:
+            from omni.alignment_plot import write_alignment_png
+            from omni.speech import read_audio_file
+
+            from omni.export import load_tokenizers
+
+            sr = load_tokenizers(checkpoint)["audio"].sample_rate
+            for f, result in zip(args.files, results):
+                if not isinstance(result, Exception):
+                    pictures[f].parent.mkdir(parents=True, exist_ok=True)
+                    write_alignment_png(pictures[f], read_audio_file(f, sr), sr, result, title=f"{f}: {result.text}")
+        return results
+
+    def entry(result: Any) -> dict[str, Any]:
+        return transcript_json(result) if timed else {"text": result}
+
+    def save(f: str, result: Any) -> None:
+        if args.output_dir is not None:
+            outputs[f].parent.mkdir(parents=True, exist_ok=True)
+            body = render(result, args.format) if args.format != "json" else \
+                json.dumps({"file": f, **entry(result)}, indent=2, ensure_ascii=False) + "\n"
+            print(write_atomic(outputs[f], body))
+        else:  # one srt / vtt document on stdout
+            sys.stdout.write(render(result, args.format))
+
+    return _run_on_files(args, args.files, run, text=lambda r: r.text if timed else r, entry=entry,
+                         emit=save if args.output_dir is not None or args.format in ("srt", "vtt") else None)
 
 
 def _convert(args: argparse.Namespace) -> int:
@@ -286,15 +352,17 @@ def _list_tokenizers(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_inference_options(p: argparse.ArgumentParser, example: str) -> None:
+def _add_inference_options(p: argparse.ArgumentParser, example: str, formats: Sequence[str] = ("txt", "json"),
+                           format_help: str = "") -> None:
     """--checkpoint, --device and --format, shared by predict and transcribe."""
     p.epilog = ("exit status: 0 every file read; 1 some files could not be read (each named on stderr with its "
                 "reason); 2 a usage error (one line) or no file could be read")
     p.add_argument("--checkpoint", required=True,
                    help=f"an export directory, e.g. {example}, or a run directory (its final/ is used)")
     p.add_argument("--device", type=_device, default=None, help="cpu, cuda, cuda:N, mps (default: cuda when available)")
-    p.add_argument("--format", choices=("txt", "json"), default="txt",
-                   help="txt: a 'file: result' line per file; json: a list of {file, ...} objects (default: txt)")
+    p.add_argument("--format", choices=formats, default="txt",
+                   help="txt: a 'file: result' line per file; json: a list of {file, ...} objects"
+                        f"{format_help} (default: txt)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -315,7 +383,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("images", nargs="+", help="image files of any size, mode and format (PNG, JPEG, ...)")
     p.set_defaults(func=_predict)
     p = sub.add_parser("transcribe", help="speech to text with an exported speech recognizer (recipes/whisper.py)")
-    _add_inference_options(p, "runs/whisper/final")
+    _add_inference_options(p, "runs/whisper/final", ("txt", "json", "srt", "vtt"),
+                           " (text, segments with start / end / text, their words with start / end / probability); "
+                           "srt, vtt: subtitles, one cue per segment (one file, or --output-dir)")
+    p.add_argument("--output-dir", metavar="DIR", default=None,
+                   help="write DIR/<name>.<format> per file (written whole or not at all) and print its path, "
+                        "instead of stdout")
+    p.add_argument("--alignment", metavar="DIR", default=None,
+                   help="also write DIR/<name>.png per file: the log-mel with the words' spans over the alignment "
+                        "the times come from (CTC posteriors or cross-attention, with the path) (needs matplotlib: "
+                        "pip install -e \".[viz]\")")
+    p.add_argument("--timestamps", choices=("auto", "ctc", "attention"), default="auto",
+                   help="where word times come from: ctc: forced alignment on the encoder's CTC head; attention: "
+                        "DTW over the decoder's cross-attention (Whisper's way); auto: ctc when the export has a "
+                        "CTC head (default: auto)")
     p.add_argument("--beam-size", type=_positive_int, default=1, help="beam width (1 = greedy)")
     p.add_argument("--length-penalty", type=_finite_float, default=1.0,
                    help="GNMT length penalty alpha for beam search (0 = none)")

@@ -30,6 +30,7 @@ Design decisions (documented here because recipes/whisper.py and `omni transcrib
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import re
@@ -504,19 +505,21 @@ def _recognizer(checkpoint: str | os.PathLike, device: str | torch.device | None
 
 def transcribe_files(checkpoint: str | os.PathLike, files: Sequence[str | os.PathLike], *, beam_size: int = 1,
                      length_penalty: float = 1.0, batch_size: int = 16, device: str | None = None,
-                     max_new_tokens: int = 224, return_exceptions: bool = False) -> list[str | Exception]:
+                     max_new_tokens: int = 224, return_exceptions: bool = False, timestamps: bool = False,
+                     timing: dict[str, Any] | None = None) -> list[Any]:
     """Transcribe audio files (WAV, FLAC, MP3, OGG ...; any rate, channels, length) with a speech recognition
     export (recipes/whisper.py) or the transcribe task of a multitask export (recipes/multimodal.py).
     Every file is read and checked first, so a bad file fails before any decoding, naming the file; with
     ``return_exceptions`` its exception takes its place in the result instead and the other files are
-    transcribed (the export's own errors raise either way)."""
+    transcribed (the export's own errors raise either way). One text per file, or with ``timestamps`` one
+    ``omni.timestamps.TimedTranscript`` (word times; ``timing``: options of ``transcribe_timed``)."""
     for option, value in (("beam_size", beam_size), ("batch_size", batch_size), ("max_new_tokens", max_new_tokens)):
         if value < 1:
             raise ValueError(f"{option} must be >= 1, got {value}")
     if not math.isfinite(length_penalty):
         raise ValueError(f"length_penalty must be a finite number, got {length_penalty}")
     model, audio_tok, text_tok = _recognizer(checkpoint, device)
-    results: list[str | Exception] = []
+    results: list[Any] = []
     waves: dict[int, Tensor] = {}
     for i, f in enumerate(files):
         try:
@@ -527,10 +530,14 @@ def transcribe_files(checkpoint: str | os.PathLike, files: Sequence[str | os.Pat
                 raise
             results.append(exc)
     if waves:
-        texts = transcribe_waveforms(model, audio_tok, text_tok, list(waves.values()),
-                                     keys=[os.fspath(files[i]) for i in waves], batch_size=batch_size,
-                                     beam_size=beam_size, length_penalty=length_penalty,
-                                     max_new_tokens=max_new_tokens)
+        run = transcribe_waveforms
+        if timestamps:
+            from omni.timestamps import transcribe_timed
+
+            run = functools.partial(transcribe_timed, **(timing or {}))
+        texts = run(model, audio_tok, text_tok, list(waves.values()), keys=[os.fspath(files[i]) for i in waves],
+                    batch_size=batch_size, beam_size=beam_size, length_penalty=length_penalty,
+                    max_new_tokens=max_new_tokens)
         for i, text in zip(waves, texts):
             results[i] = text
     return results

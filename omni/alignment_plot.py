@@ -1,0 +1,86 @@
+"""The alignment picture of ``omni transcribe --alignment DIR``: what the word timestamps were read from.
+
+Top: the file's log-mel spectrogram with each word's span marked and labelled. Bottom, on the same time axis:
+the alignment matrix of every window at its offset in the file (CTC: the posterior of each transcript byte per
+frame; attention: the decoder's averaged, standardised cross-attention per text token), rows = the transcript's
+units in order, with the forced-alignment / DTW path drawn over it. matplotlib is imported only here, on use
+(the ``viz`` extra).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from pathlib import Path
+
+from torch import Tensor
+
+from omni.timestamps import TimedTranscript
+
+
+def _matplotlib():  # -> (Figure, FigureCanvasAgg)
+    from omni.deps import require
+
+    require("matplotlib", "viz")
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    return Figure, FigureCanvasAgg
+
+
+def alignment_png(wave: Tensor, sample_rate: int, transcript: TimedTranscript, title: str = "",
+                  width: float = 12.0, dpi: int = 80) -> bytes:
+    """The picture as PNG bytes. ``wave`` is the file's mono waveform at ``sample_rate``."""
+    from omni.tokenizers.audio import log_mel
+
+    Figure, Canvas = _matplotlib()
+    mel = log_mel(wave.float(), sample_rate=sample_rate).numpy()  # (80, frames) at 100 frames/s
+    seconds = wave.shape[0] / sample_rate
+    fig = Figure(figsize=(width, 5.5), dpi=dpi)
+    Canvas(fig)
+    top, bottom = fig.subplots(2, 1, sharex=True, gridspec_kw={"height_ratios": [1, 1.3]})
+    top.imshow(mel, origin="lower", aspect="auto", cmap="magma", extent=(0, seconds, 0, mel.shape[0]))
+    top.set_ylabel("mel bin")
+    words = transcript.words
+    for k, w in enumerate(words):
+        top.axvspan(w.start, w.end, ymin=0.0, ymax=0.06, color="cyan" if k % 2 else "lime", alpha=0.9)
+        top.axvline(w.start, color="white", lw=0.6, alpha=0.7)
+        top.axvline(w.end, color="white", lw=0.6, ls=":", alpha=0.7)
+        top.text((w.start + w.end) / 2, mel.shape[0] * (0.9 if k % 2 else 0.78), w.word, color="white",
+                 ha="center", va="center", fontsize=8, clip_on=True)
+    top.set_title(title or f"word timestamps ({transcript.method})", fontsize=10)
+    row = 0
+    labels: list[tuple[float, str]] = []
+    for win in transcript.windows:
+        n_units, n_frames = win.matrix.shape
+        t0 = win.offset - 0.5 / win.tokens_per_second
+        extent = (t0, t0 + n_frames / win.tokens_per_second, row + n_units - 0.5, row - 0.5)
+        bottom.imshow(win.matrix, aspect="auto", cmap="viridis", extent=extent, interpolation="nearest")
+        path = win.path
+        if len(path):
+            bottom.plot(win.offset + path[:, 0] / win.tokens_per_second, row + path[:, 1], color="red", lw=0.8)
+        if n_units <= 60:  # readable unit labels only on short windows
+            labels += [(row + u, repr(s)[1:-1] if s.strip() else "␣") for u, s in enumerate(win.units)]
+        row += n_units
+    if row:
+        bottom.set_ylim(row - 0.5, -0.5)
+    if labels:
+        bottom.set_yticks([r for r, _ in labels], [s for _, s in labels], fontsize=6)
+    bottom.set_ylabel("transcript bytes (CTC)" if transcript.method == "ctc" else "text tokens")
+    bottom.set_xlabel("seconds")
+    bottom.set_xlim(0, seconds)
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=dpi)
+    return buf.getvalue()
+
+
+def write_alignment_png(path: str | os.PathLike, wave: Tensor, sample_rate: int, transcript: TimedTranscript,
+                        title: str = "") -> Path:
+    """``alignment_png`` written atomically to ``path``."""
+    from omni.transcript_formats import write_atomic
+
+    return write_atomic(path, alignment_png(wave, sample_rate, transcript, title))
+
+
+__all__ = ["alignment_png", "write_alignment_png"]
