@@ -387,8 +387,8 @@ def main(argv=None) -> dict:
     # say its transcript. (A converted Whisper's tokenizer cuts, as whisper.transcribe does, so train with a copy.)
     clips = audio if audio.truncation == "error" else AudioTokenizer(**{**audio.config(), "truncation": "error"})
     decode = DecodeClip(partial(prompted_example, clips, text, tuple(model.prompt), cfg["text_case"], ctc))
-    # Whisper's front end makes every clip its 1500 tokens, which its encoder's position table covers exactly:
-    # rounding batches up to a multiple of 8 would add positions it does not have.
+    # Whisper's front end makes every clip its 1500 tokens, its encoder's whole position table: rounding batches up
+    # to a multiple of 8 would add 4 masked tokens to every row, computed for nothing.
     collate = SpeechCollate(text.pad_id, pad_multiple=1 if audio.frontend == "whisper" else 8)
     workers = cfg["workers"] if state.device.type == "cuda" else min(cfg["workers"], 2)
     loader = dict(num_workers=workers, rank=rank, world_size=world, max_corrupt_fraction=cfg["max_corrupt_fraction"])
