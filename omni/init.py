@@ -9,7 +9,7 @@ in one line naming PATH, a model of another kind than the recipe trains. ``load_
 model the recipe built from it: every tensor must be there with its shape, except those ``new`` allows (a head
 for another class count, a head the source has not), which keep their fresh initialisation and are returned.
 The recipes' own fitting (omni.vision.adapt_classifier for recipes/vit.py; ``init_decision_transformer``,
-``init_trajectory_tokenizer`` and ``init_multitask`` below; recipes/whisper.py's own for speech exports and
+``init_trajectory_tokenizer`` and ``init_multitask`` below; recipes/whisper.py's for speech exports and
 Whisper checkpoints) decides what the source fixes: its architecture always (the trunk
 config replaces the recipe's), its tokenizers where they carry what the weights were trained on (normalisation
 statistics, vocabularies), and what the run's data must agree with (one line when it does not).
@@ -28,6 +28,7 @@ from omni.trunk import TrunkConfig
 
 DT_BUILDER = "omni.rl:build_decision_transformer"
 OMNI_BUILDER = "omni"  # OmniModel: recipes/multimodal.py's export
+SPEECH_BUILDER = "omni.speech:build_speech_recognizer"  # SpeechRecognizer: recipes/whisper.py's, converted Whispers
 
 
 def read_init(path: str | os.PathLike, builders: str | tuple[str, ...], recipe: str, takes: str,
@@ -52,7 +53,15 @@ def load_init(model: nn.Module, state: Mapping[str, Tensor], path: str | os.Path
     """Copy ``state`` into ``model`` (strict but for ``new``: tensors the source lacks, or has with another shape,
     that the recipe may start fresh); -> the names left fresh. ValueError naming the first tensor that does not
     fit; tensors of the source the model has no place for are refused unless ``new`` allows them too (a head of
-    a task this run leaves out)."""
+    a task this run leaves out). A tensor tied in the model (an LM head sharing the text embedding) counts as
+    present when the source has it under any of its names, as exports store it under one."""
+    from omni.export import tied_names
+
+    state = dict(state)
+    for group in tied_names(model):
+        have = next((state[name] for name in group if name in state), None)
+        if have is not None:
+            state.update({name: have for name in group if name not in state})
     own = model.state_dict()
     fresh = sorted(k for k in own if k not in state or state[k].shape != own[k].shape)
     unused = sorted(k for k in state if k not in own)

@@ -53,8 +53,8 @@ from omni.config import (POSITIVE, Key, at_least, check_corpus, keywords_of, one
                           recipe_parser, run_recipe, train_config)
 from omni.data.builders_speech import build_speech_synth
 from omni.data.clips import AUDIO_FIELDS, DecodeClip
-from omni.export import get_builder, tied_names
-from omni.init import read_init
+from omni.export import get_builder
+from omni.init import SPEECH_BUILDER, load_init, read_init
 from omni.data.reader import ShardLoader
 from omni.data.shards import read_manifest
 from omni.deps import require
@@ -110,7 +110,6 @@ PRESETS: dict[str, dict] = {
                      min_lr_ratio=0.1, warmup_steps=500, weight_decay=0.0, eval_every=500, checkpoint_every=500,
                      eval_batch_size=16, limit_eval=2000),
 }
-SPEECH_BUILDER = "omni.speech:build_speech_recognizer"  # the export builder of a SpeechRecognizer
 DEFAULT_CTC_WEIGHT = 0.3
 
 
@@ -244,8 +243,6 @@ def from_init(cfg: dict) -> tuple[SpeechRecognizer, dict, dict]:
     """The ``init`` model (an omni export, or a Whisper checkpoint converted by omni.interop) with its weights, its
     export config (``ctc`` as this run trains it; the source and prompt kept) and its tokenizers. A CTC head the
     init lacks (ctc_weight > 0) starts from the seed; one this run drops (ctc_weight 0) is left out."""
-    from omni.interop import names
-
     config, state_dict, tokenizers = read_init(cfg["init"], SPEECH_BUILDER, "recipes/whisper.py",
                                                "an omni speech export or a Whisper checkpoint (a Hugging Face "
                                                "whisper directory, an openai-whisper .pt)")
@@ -257,20 +254,8 @@ def from_init(cfg: dict) -> tuple[SpeechRecognizer, dict, dict]:
     export = {k: v for k, v in config.items() if k not in ("omni_format", "tokenizers")} | {"ctc": ctc}
     torch.manual_seed(cfg["seed"])
     model = get_builder(SPEECH_BUILDER)(export, tokenizers)
-    own = model.state_dict()
-    for key in sorted(set(own) & set(state_dict)):
-        if own[key].shape != state_dict[key].shape:
-            raise ValueError(f"init {cfg['init']}: {key} has shape {tuple(state_dict[key].shape)}, its own config "
-                             f"builds {tuple(own[key].shape)}")
-    missing, unexpected = model.load_state_dict(state_dict, strict=False)
-    # a tied tensor (the LM head is the text embedding) is stored under one of its names in an export (not
-    # omni.init.load_init, which wants every name)
-    tied = {n for group in tied_names(model) if set(group) & set(state_dict) for n in group}
-    missing = [k for k in missing if k not in tied and not (ctc and not had and k.startswith("ctc_head."))]
-    unexpected = [k for k in unexpected if not (had and not ctc and k.startswith("ctc_head."))]
-    if missing or unexpected:
-        raise ValueError(f"init {cfg['init']}: its weights do not fit its config: missing {names(missing)}; "
-                         f"unexpected {names(unexpected)}")
+    # a CTC head the init lacks starts from the seed; one this run drops is left out
+    load_init(model, state_dict, cfg["init"], new=lambda key: key.startswith("ctc_head.") and ctc != had)
     return model, export, tokenizers
 
 
