@@ -39,8 +39,8 @@ import omni.timestamps as ts  # noqa: E402
 DATA, OUT = "data/speech-synth-ts", "runs/whisper-ts"
 BUILD = {"train": 3000, "test": 60, "voices": ["en-us", "en"], "variants": ["", "m3", "f2"], "snrs": [None],
          "max_words": 12}
-TRAIN_SETTINGS = [f"data='{DATA}'", f"out='{OUT}'", f"build={BUILD!r}", "trunk_overrides={'d_model': 128, 'n_layers': 4}",
-                  "steps=1500", "batch_size=24", "lr=2e-3", "warmup_steps=100", "ctc_weight=0.5", "workers=2",
+TRAIN_SETTINGS = [f"data='{DATA}'", f"out='{OUT}'", f"build={BUILD!r}",
+                  "trunk_overrides={'d_model': 128, 'n_layers': 4}", "steps=1500", "batch_size=24", "lr=2e-3", "warmup_steps=100", "ctc_weight=0.5", "workers=2",
                   "eval_every=0", "checkpoint_every=0", "log_every=100", "progress=False"]
 SR = 16000
 TRIM_DB = 40.0
@@ -167,8 +167,8 @@ def main(argv=None) -> int:
     results = measure(model, audio, text, clips, modes)
     seconds = sum(w.shape[0] for w, _ in clips) / SR
     noise = "clean" if args.snr is None else f"white noise at {args.snr:g} dB SNR"
-    print(f"{len(clips)} held-out sentences ({noise}), {sum(len(t) for _, t in clips)} words, {seconds:.0f} s of audio; "
-          f"checkpoint {args.checkpoint}; measured in {time.time() - start:.0f} s")
+    print(f"{len(clips)} held-out sentences ({noise}), {sum(len(t) for _, t in clips)} words, "
+          f"{seconds:.0f} s of audio; checkpoint {args.checkpoint}; measured in {time.time() - start:.0f} s")
     print("| word times from | median | 90th pct | mean | start bias | end bias | words scored |")
     print("|---|---|---|---|---|---|---|")
     for name, r in results.items():

@@ -29,13 +29,15 @@ def _matplotlib():  # -> (Figure, FigureCanvasAgg)
 
 
 def alignment_png(wave: Tensor, sample_rate: int, transcript: TimedTranscript, title: str = "",
-                  width: float = 12.0, dpi: int = 80) -> bytes:
-    """The picture as PNG bytes. ``wave`` is the file's mono waveform at ``sample_rate``."""
+                  width: float | None = None, dpi: int = 72) -> bytes:
+    """The picture as PNG bytes. ``wave`` is the file's mono waveform at ``sample_rate``; ``width`` in inches
+    (default: 1.2 per second of audio, within 8 .. 40, so words stay readable on long files)."""
     from omni.tokenizers.audio import log_mel
 
     Figure, Canvas = _matplotlib()
     mel = log_mel(wave.float(), sample_rate=sample_rate).numpy()  # (80, frames) at 100 frames/s
     seconds = wave.shape[0] / sample_rate
+    width = min(max(1.2 * seconds, 8.0), 40.0) if width is None else width
     fig = Figure(figsize=(width, 5.5), dpi=dpi)
     Canvas(fig)
     top, bottom = fig.subplots(2, 1, sharex=True, gridspec_kw={"height_ratios": [1, 1.3]})
@@ -48,7 +50,9 @@ def alignment_png(wave: Tensor, sample_rate: int, transcript: TimedTranscript, t
         top.axvline(w.end, color="white", lw=0.6, ls=":", alpha=0.7)
         top.text((w.start + w.end) / 2, mel.shape[0] * (0.9 if k % 2 else 0.78), w.word, color="white",
                  ha="center", va="center", fontsize=8, clip_on=True)
-    top.set_title(title or f"word timestamps ({transcript.method})", fontsize=10)
+    title = title or f"word timestamps ({transcript.method})"
+    limit = int(width * 12)  # characters that fit the figure's width at this font size
+    top.set_title(title if len(title) <= limit else title[:limit - 1] + "…", fontsize=10)
     row = 0
     labels: list[tuple[float, str]] = []
     for win in transcript.windows:

@@ -383,7 +383,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("images", nargs="+", help="image files of any size, mode and format (PNG, JPEG, ...)")
     p.set_defaults(func=_predict)
     p = sub.add_parser("transcribe", help="speech to text with an exported speech recognizer (recipes/whisper.py)")
-    _add_inference_options(p, "runs/whisper/final", ("txt", "json", "srt", "vtt"),
+    _add_inference_options(p, "runs/whisper/final", ("txt", "json", "srt", "vtt"),  # transcript_formats.FORMATS
                            " (text, segments with start / end / text, their words with start / end / probability); "
                            "srt, vtt: subtitles, one cue per segment (one file, or --output-dir)")
     p.add_argument("--output-dir", metavar="DIR", default=None,

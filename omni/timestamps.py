@@ -9,11 +9,11 @@ Two sources, chosen per export (``method="auto"``):
   probability is the mean, over those non-blank frames, of the CTC posterior of the aligned byte. Byte-level CTC
   is peaky (a letter is one or two frames, blanks between), so a word's frames start late and end early; where
   a word borders a pause the bounds are moved out over the loud frames (``refine_with_energy``): blank frames
-  whose log-mel energy is speech-level belong to the word, quiet ones to the pause.
+  whose energy is speech-level belong to the word, quiet ones to the pause.
 * ``attention`` (exports without a CTC head): Whisper's way. The transcript is teacher-forced through the
   decoder with ``omni.introspect.capture`` recording cross-attention; the chosen heads' maps are standardised
   per head over the text tokens, median-filtered along time, averaged, and a monotonic DTW path through their
-  negation gives each text token its frames (``attention_token_times``).
+  negation gives each text token its frames (``attention_alignment``, ``attention_word_timings``).
 
 Times: audio token ``i`` is centred on mel frame ``stride * i``, i.e. on ``i / tokens_per_second`` seconds
 (the STFT is centred), so frame ``i`` stands for ``[(i - 0.5) / tps, (i + 0.5) / tps)``; a window cut from a
@@ -25,7 +25,6 @@ word before it (to the next one at the start), so every word has speech under it
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal, Sequence
 
@@ -35,8 +34,9 @@ from torch import Tensor
 
 Method = Literal["auto", "ctc", "attention"]
 
-# Refinement: a frame is "loud" when its mean log-mel energy is above this fraction of the way from the clip's
-# quietest to its loudest frame (log-mel is already in log units: a fraction of the dB range).
+# Refinement: a frame is "loud" when its energy (dB) is above this fraction of the way from the window's quietest
+# frame to its loudest (a fraction of the dB range, at most 80 dB: frame_energy). On the calibration words
+# (benchmarks/timestamps.py --calibrate, train-split sentences) 0.1 .. 0.6 gave medians within 1 ms in clean audio.
 LOUD_FRACTION = 0.3
 
 
@@ -515,7 +515,8 @@ def time_windows(model: Any, audio_tok: Any, text_tok: Any, windows: Sequence[Te
     for lo in range(0, len(todo), batch_size):
         chunk = todo[lo:lo + batch_size]
         tokens = [audio_tok.encode((windows[i], audio_tok.sample_rate), key=str(i)).tokens for i in chunk]
-        frames = [real_frames(windows[i].shape[0], audio_tok.sample_rate, tps, t.shape[0]) for i, t in zip(chunk, tokens)]
+        frames = [real_frames(windows[i].shape[0], audio_tok.sample_rate, tps, t.shape[0])
+                  for i, t in zip(chunk, tokens)]
         audio, mask = pad_audio(tokens)
         audio, mask = audio.to(dev), mask.to(dev)
         if how == "ctc":

@@ -374,3 +374,13 @@ def test_transcribe_format_errors_are_one_line(export, tmp_path, capsys):
     (tmp_path / "file").write_text("x")
     status, _, err = cli([*base, "--output-dir", str(tmp_path / "file"), str(clip)], capsys)
     assert status == 2 and err == f"omni transcribe: error: --output-dir {tmp_path / 'file'}: not a directory\n"
+
+
+def test_cli_format_choices_are_the_writers_formats():
+    import argparse
+
+    from omni.cli import build_parser
+    from omni.transcript_formats import FORMATS
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    assert tuple(sub.choices["transcribe"]._option_string_actions["--format"].choices) == FORMATS
