@@ -41,7 +41,6 @@ vector; the sum differs by one rounding), so every other tensor goes back bit fo
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -50,9 +49,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from omni.export import CONFIG_NAME, load_config, load_pretrained, save_pretrained, write_json
+from omni.export import load_config, load_pretrained, save_pretrained
 from omni.interop import ConversionError, check_tensors, read_directory
-from omni.interop.hf import HFFamily, register_hf_family
+from omni.interop.hf import HFFamily, register_hf_family, write_hf_files
 from omni.trunk import TrunkConfig
 
 MODEL_TYPE = "gpt2"
@@ -268,14 +267,7 @@ def convert_directory(src_dir: str | os.PathLike, out_dir: str | os.PathLike) ->
 def write_hf_directory(export_dir: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
     """An omni text-LM export -> a HF directory (config.json + model.safetensors) that
     ``GPT2LMHeadModel.from_pretrained(out_dir)`` loads."""
-    from safetensors.torch import save_file
-
-    hf_config, sd = to_hf(export_dir)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
-    write_json(out / CONFIG_NAME, hf_config)
-    return out
+    return write_hf_files(out_dir, *to_hf(export_dir))
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -10,11 +10,17 @@ takes the export's config (the generic "omni" builder makes many kinds of model:
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from omni.export import CONFIG_NAME
+from torch import Tensor
+
+from omni.export import CONFIG_NAME, WEIGHTS_NAME, write_json
+from omni.files import fsync_dir
 from omni.interop import ConversionError, Converter, Export, register_converter
 
 
@@ -48,6 +54,29 @@ def model_type(src: Path) -> str | None:
     except (OSError, ValueError, AttributeError):
         return None
     return value if isinstance(value, str) else None
+
+
+def write_hf_files(out: str | os.PathLike, config: Mapping[str, Any], tensors: Mapping[str, Tensor],
+                   **json_files: Mapping[str, Any]) -> Path:
+    """A Hugging Face directory at ``out`` (new, or empty): config.json, model.safetensors and ``json_files``
+    (file name -> content, e.g. preprocessor_config.json). Written in a sibling temporary directory and renamed into
+    place, so a failure (a full disk) leaves no half-written checkpoint."""
+    from safetensors.torch import save_file
+
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        save_file(dict(tensors), str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
+        for name, content in {CONFIG_NAME: config, **json_files}.items():
+            write_json(tmp / name, content)
+        os.chmod(tmp, 0o755)  # mkdtemp makes it private
+        os.replace(tmp, out)  # onto a missing or empty directory (fresh_output refused anything else)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    fsync_dir(out.parent)
+    return out
 
 
 def _supported() -> str:

@@ -52,11 +52,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from omni.export import load_config, load_pretrained, load_tokenizers, save_pretrained, write_json
+from omni.export import load_config, load_pretrained, load_tokenizers, save_pretrained
 from omni.interop import ConversionError, read_directory
 from omni.interop.gpt2 import (IGNORED_SUFFIXES, body_hf_config, body_tensor_names, body_trunk_options,
                                 check_body, named_pairs)
-from omni.interop.hf import HFFamily, register_hf_family
+from omni.interop.hf import HFFamily, register_hf_family, write_hf_files
 from omni.rl import DecisionTransformer, action_bounds, build_decision_transformer
 from omni.tokenizers.trajectory import TrajectoryTokenizer
 from omni.trunk import TrunkConfig
@@ -184,14 +184,7 @@ def convert_directory(src_dir: str | os.PathLike, out_dir: str | os.PathLike, **
 def write_hf_directory(export_dir: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
     """An omni Decision Transformer export -> a HF directory (config.json + model.safetensors) that
     ``DecisionTransformerModel.from_pretrained(out_dir)`` loads."""
-    from safetensors.torch import save_file
-
-    hf_config, sd = to_hf(export_dir)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
-    write_json(out / "config.json", hf_config)
-    return out
+    return write_hf_files(out_dir, *to_hf(export_dir))
 
 
 # ----------------------------------------------------------------------------------------------------

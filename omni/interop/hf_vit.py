@@ -59,10 +59,9 @@ from typing import Any, Mapping
 import torch
 from torch import Tensor
 
-from omni.export import write_json
 from omni.heads import HEAD_NORM_EPS
 from omni.interop import ConversionError, Export, names, read_directory, read_export
-from omni.interop.hf import HFFamily, register_hf_family
+from omni.interop.hf import HFFamily, register_hf_family, write_hf_files
 from omni.interop.timm import PATCH_WEIGHT, TYPE_EMBEDDING, layout
 from omni.tokenizers.image import ImageTokenizer
 from omni.trunk import TrunkConfig
@@ -358,8 +357,6 @@ def read_hf(src: Path, **options: Any) -> Export:
 def write_hf(export: Path, out: Path, **options: Any) -> Path:
     """An omni image classifier export -> ``out``: config.json, model.safetensors and preprocessor_config.json
     (``ViTForImageClassification.from_pretrained(out)`` and ``AutoImageProcessor.from_pretrained(out)``)."""
-    from safetensors.torch import save_file
-
     if options:
         raise ConversionError(f"{', '.join(sorted(options))}: not an option of Hugging Face ViT checkpoints")
     config, state_dict, tokenizers = read_export(export)
@@ -367,11 +364,7 @@ def write_hf(export: Path, out: Path, **options: Any) -> Path:
         hf_config, processor, sd = to_hf(config, state_dict, tokenizers.get("image"))
     except ValueError as exc:
         raise ConversionError(f"{export}: {exc}") from exc
-    out.mkdir(parents=True, exist_ok=True)
-    save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
-    write_json(out / "config.json", hf_config)
-    write_json(out / PROCESSOR_NAME, processor)
-    return out
+    return write_hf_files(out, hf_config, sd, **{PROCESSOR_NAME: processor})
 
 
 register_hf_family(HFFamily(MODEL_TYPE, read_hf, write_hf, builders=(BUILDER,)))

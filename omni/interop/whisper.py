@@ -61,10 +61,9 @@ from typing import Any, Mapping
 import torch
 from torch import Tensor
 
-from omni.export import write_json
 from omni.interop import (ConversionError, Converter, Export, check_tensors, names, read_directory, read_export,
                           register_converter)
-from omni.interop.hf import HFFamily, register_hf_family
+from omni.interop.hf import HFFamily, register_hf_family, write_hf_files
 from omni.tokenizers.audio import AudioTokenizer
 from omni.tokenizers.text import TextTokenizer
 from omni.trunk import TrunkConfig
@@ -454,17 +453,12 @@ def read_hf(src: Path, **options: Any) -> Export:
 def write_hf(export: Path, out: Path, **options: Any) -> Path:
     """An omni Whisper export -> ``out``: config.json + model.safetensors (the tied proj_out left out, as HF's
     save_pretrained does); ``WhisperForConditionalGeneration.from_pretrained(out)`` loads it."""
-    from safetensors.torch import save_file
-
     _options({k: v for k, v in options.items() if k not in OPTIONS}, "writing Hugging Face Whisper")
     try:
         hf_config, sd = to_hf(*read_export(export))
     except ConversionError as exc:
         raise ConversionError(f"{export}: {exc}") from exc
-    out.mkdir(parents=True, exist_ok=True)
-    save_file({k: v for k, v in sd.items() if k != PROJ_OUT}, str(out / "model.safetensors"), metadata={"format": "pt"})
-    write_json(out / "config.json", hf_config)
-    return out
+    return write_hf_files(out, hf_config, {k: v for k, v in sd.items() if k != PROJ_OUT})
 
 
 def load_openai(src: Path) -> dict[str, Any]:
