@@ -106,8 +106,14 @@ def _fits(config: dict[str, Any]) -> tuple[str, list[str]]:
     from omni.speech import speech_task
     from omni.vision import image_task
 
+    def lm_head(config: dict[str, Any]) -> str | None:  # omni generate: a text tokenizer and an LM head
+        heads = config.get("heads", {}).values()
+        lm = "text" in config.get("tokenizers", []) and any(isinstance(h, dict) and h.get("type") == "lm"
+                                                            for h in heads)
+        return "lm" if lm else None
+
     commands = []
-    for command, finds in (("predict", image_task), ("transcribe", speech_task)):
+    for command, finds in (("predict", image_task), ("transcribe", speech_task), ("generate", lm_head)):
         try:
             if finds(config) is not None:
                 commands.append(command)
@@ -125,7 +131,8 @@ def _check_export(command: str, checkpoint: str | Path) -> None:
 
     what, commands = _fits(load_config(checkpoint))
     if not commands:
-        raise UsageError(f"{checkpoint} is {what}: neither `omni predict` nor `omni transcribe` reads it")
+        raise UsageError(f"{checkpoint} is {what}: none of `omni predict`, `omni transcribe`, `omni generate` "
+                         "reads it")
     if command not in commands:
         raise UsageError(f"{checkpoint} is {what}, which `omni {command}` does not read: use `omni {commands[0]}`")
 
@@ -300,7 +307,7 @@ def _convert(args: argparse.Namespace) -> int:
             out = to_peer(args.src, args.out, args.to, arch=args.arch)
         else:
             out = convert(args.src, args.out, args.peer, arch=args.arch, context=args.context,
-                          rtg_scale=args.rtg_scale)
+                          rtg_scale=args.rtg_scale, language=args.language, task=args.task)
     except (ConversionError, ImportError, *_export_errors()) as exc:  # ImportError: the peer library is missing
         raise UsageError(one_line(exc)) from exc
     print(out)
@@ -406,13 +413,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_transcribe)
     from omni.interop import CONVERTERS
 
-    p = sub.add_parser("convert", help="a peer library's checkpoint (timm ViT, Hugging Face Decision Transformer) "
-                       "-> an omni export, or back with --to",
+    p = sub.add_parser("convert", help="a peer library's checkpoint (timm ViT; Hugging Face ViT, Whisper, GPT-2, "
+                       "Decision Transformer; openai-whisper .pt) -> an omni export, or back with --to",
                        description="omni convert SRC OUT: SRC a peer checkpoint (a timm hub directory: config.json "
                        "+ model.safetensors or pytorch_model.bin; or a state dict file with --arch; a Hugging Face "
-                       "directory whose config.json says model_type decision_transformer), OUT a new omni export "
-                       "that `omni predict`, DT rollouts and load_pretrained read. omni convert --to PEER EXPORT "
-                       "OUT: the export in the peer's format (config.json + model.safetensors).")
+                       "directory whose config.json says model_type vit, whisper, gpt2 or decision_transformer; an "
+                       "openai-whisper .pt with its dims inside), OUT a new omni export that `omni predict`, "
+                       "`omni transcribe`, `omni generate`, DT rollouts and load_pretrained read. omni convert --to "
+                       "PEER EXPORT OUT: the export in the peer's format (timm / hf: config.json + model.safetensors; "
+                       "openai-whisper: one .pt that whisper.load_model reads).")
     p.add_argument("src", help="the checkpoint (or with --to, the omni export) to convert")
     p.add_argument("out", help="the directory to write (must not exist, or be empty)")
     direction = p.add_mutually_exclusive_group()
@@ -426,6 +435,10 @@ def build_parser() -> argparse.ArgumentParser:
                                                          "config.json's 'context', else 20)")
     p.add_argument("--rtg-scale", type=number(float, at_least=1e-12), help="Decision Transformer: returns-to-go are "
                    "divided by this (default: config.json's 'rtg_scale', else 1000)")
+    p.add_argument("--language", help="Whisper: the language token of the decoder prompt `omni transcribe` uses "
+                   "(a Whisper language code: en, de, ja, ...; default en; English-only models have none)")
+    p.add_argument("--task", choices=("transcribe", "translate"), help="Whisper: the task token of the prompt "
+                   "(default transcribe; translate: speech to English text)")
     p.set_defaults(func=_convert)
     p = sub.add_parser("generate", help="continue text prompts with an exported language model (a converted GPT-2, "
                        "an LM task's export)",

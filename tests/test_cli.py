@@ -255,7 +255,7 @@ def test_wrong_kind_of_export_names_its_builder_and_the_command(vit, whisper, tm
     for command, file in (("predict", image), ("transcribe", clip)):
         status, _, err = cli([command, "--checkpoint", str(dt), file], capsys)
         line = one_line(err)
-        assert status == 2 and "decision transformer" in line and "neither `omni predict` nor `omni transcribe`" in line
+        assert status == 2 and "decision transformer" in line and "none of `omni predict`, `omni transcribe`, `omni generate` reads it" in line
     speech_only = tmp_path / "mm"
     speech_only.mkdir()
     (speech_only / "config.json").write_text(json.dumps({

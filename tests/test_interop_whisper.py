@@ -25,6 +25,7 @@ whisper = pytest.importorskip("whisper")
 transformers = pytest.importorskip("transformers")
 from whisper.audio import N_FRAMES, N_SAMPLES, log_mel_spectrogram  # noqa: E402
 from whisper.model import ModelDimensions, Whisper  # noqa: E402
+import whisper.tokenizer as whisper_tokenizer_module  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
@@ -313,6 +314,11 @@ def test_cli_both_ways(small, tmp_path, capsys):
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["model_type"] == "whisper"
     model = load_pretrained(tmp_path / "omni2")
     assert isinstance(model, SpeechRecognizer) and model.prompt == [50258, 50259, 50359, 50363]
+    # --language / --task choose the prompt omni transcribe uses (ids as openai-whisper's tokenizer has them)
+    assert omni_main(["convert", str(tmp_path / "small.pt"), str(tmp_path / "de"), "--language", "de",
+                      "--task", "translate"]) == 0
+    reference = whisper_tokenizer_module.get_tokenizer(True, language="de", task="translate")
+    assert load_pretrained(tmp_path / "de").prompt == [*reference.sot_sequence, reference.no_timestamps]
 
 
 def cli_error(argv: list[str], capsys) -> str:
@@ -346,6 +352,13 @@ def test_cli_errors_are_one_line(small, tmp_path, capsys):
     plain = save_pretrained(omni_model(export), tmp_path / "plain", dict(config, ctc=False),
                             tokenizers={**toks, "audio": AudioTokenizer()})
     assert "front-end" in cli_error(["convert", "--to", "openai-whisper", str(plain), str(tmp_path / "d.pt")], capsys)
+    torch.save({"dims": SMALL, "model_state_dict": sd}, tmp_path / "small.pt")
+    assert "language 'xx' is not one of this model's language tokens" in cli_error(
+        ["convert", str(tmp_path / "small.pt"), str(tmp_path / "e"), "--language", "xx"], capsys)
+    english = dict(SMALL, n_vocab=51864)
+    torch.save({"dims": english, "model_state_dict": openai_model(english).state_dict()}, tmp_path / "en.pt")
+    assert "an English-only Whisper has no language or task tokens" in cli_error(
+        ["convert", str(tmp_path / "en.pt"), str(tmp_path / "f"), "--language", "de"], capsys)
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -120,6 +120,9 @@ def is_multilingual(text: TextTokenizer) -> bool:
 def prompt_names(text: TextTokenizer, language: str = "en", task: str = "transcribe") -> list[str]:
     """The decoder prompt by token names: Whisper's sot sequence + <|notimestamps|>."""
     if not is_multilingual(text):
+        if (language, task) != ("en", "transcribe"):
+            raise ConversionError(f"an English-only Whisper has no language or task tokens (language {language!r}, "
+                                  f"task {task!r} asked): it only transcribes English")
         return ["<|startoftranscript|>", "<|notimestamps|>"]
     if task not in ("transcribe", "translate"):
         raise ConversionError(f"task must be transcribe or translate, got {task!r}")
