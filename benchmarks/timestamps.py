@@ -23,6 +23,7 @@ import argparse
 import json
 import sys
 import time
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -67,8 +68,8 @@ def concatenated(sentence: str, rng: np.random.Generator, snr: float | None = No
         parts += [x, np.zeros(int(gap * SR))]
         t += len(x) / SR + len(parts[-1]) / SR
     x = np.concatenate(parts)
-    if snr is not None:
-        x = add_noise(x, snr, "white", rng)
+    if snr is not None:  # its own generator: the clean and noisy sets have the same pauses
+        x = add_noise(x, snr, "white", np.random.default_rng(zlib.crc32(sentence.encode())))
     return torch.from_numpy(x).float(), truth
 
 

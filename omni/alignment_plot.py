@@ -43,13 +43,16 @@ def alignment_png(wave: Tensor, sample_rate: int, transcript: TimedTranscript, t
     top, bottom = fig.subplots(2, 1, sharex=True, gridspec_kw={"height_ratios": [1, 1.3]})
     top.imshow(mel, origin="lower", aspect="auto", cmap="magma", extent=(0, seconds, 0, mel.shape[0]))
     top.set_ylabel("mel bin")
+    from matplotlib import patheffects
+
+    outline = patheffects.withStroke(linewidth=2, foreground="black")  # words readable on a bright spectrogram
     words = transcript.words
     for k, w in enumerate(words):
         top.axvspan(w.start, w.end, ymin=0.0, ymax=0.06, color="cyan" if k % 2 else "lime", alpha=0.9)
         top.axvline(w.start, color="white", lw=0.6, alpha=0.7)
         top.axvline(w.end, color="white", lw=0.6, ls=":", alpha=0.7)
-        top.text((w.start + w.end) / 2, mel.shape[0] * (0.9 if k % 2 else 0.78), w.word, color="white",
-                 ha="center", va="center", fontsize=8, clip_on=True)
+        top.text(w.start, mel.shape[0] * (0.9 if k % 2 else 0.78), " " + w.word, color="white", ha="left",
+                 va="center", fontsize=8, clip_on=True, path_effects=[outline])
     title = title or f"word timestamps ({transcript.method})"
     limit = int(width * 12)  # characters that fit the figure's width at this font size
     top.set_title(title if len(title) <= limit else title[:limit - 1] + "…", fontsize=10)
@@ -63,20 +66,44 @@ def alignment_png(wave: Tensor, sample_rate: int, transcript: TimedTranscript, t
         path = win.path
         if len(path):
             bottom.plot(win.offset + path[:, 0] / win.tokens_per_second, row + path[:, 1], color="red", lw=0.8)
-        if n_units <= 60:  # readable unit labels only on short windows
-            labels += [(row + u, repr(s)[1:-1] if s.strip() else "␣") for u, s in enumerate(win.units)]
+        labels += [(row + u, text) for u, text in word_rows(win.units)]
         row += n_units
     if row:
         bottom.set_ylim(row - 0.5, -0.5)
-    if labels:
-        bottom.set_yticks([r for r, _ in labels], [s for _, s in labels], fontsize=6)
+    if labels:  # one tick per word, at its first unit: every byte / token would be unreadable
+        bottom.set_yticks([r for r, _ in labels], [s for _, s in labels], fontsize=7)
     bottom.set_ylabel("transcript bytes (CTC)" if transcript.method == "ctc" else "text tokens")
     bottom.set_xlabel("seconds")
     bottom.set_xlim(0, seconds)
     fig.tight_layout()
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=dpi)
-    return buf.getvalue()
+    return _palette_png(buf.getvalue())
+
+
+def word_rows(units: list[str]) -> list[tuple[int, str]]:
+    """(first unit, word) of each word of an alignment's units: CTC bytes, where a " " byte separates words, or
+    text tokens, where a word's first token starts with a space."""
+    rows: list[tuple[int, str]] = []
+    for u, text in enumerate(units):
+        if text == " ":
+            continue
+        if not rows or units[u - 1] == " " or text.startswith(" "):
+            rows.append((u, text.strip()))
+        else:
+            rows[-1] = (rows[-1][0], rows[-1][1] + text)
+    return rows
+
+
+def _palette_png(png: bytes) -> bytes:
+    """The PNG with its colours reduced to a 256-entry palette (Pillow, a core dependency): about a third of the
+    bytes, and a spectrogram and a heat map look the same."""
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.open(io.BytesIO(png)).convert("RGB").quantize(256, method=Image.Quantize.MEDIANCUT).save(
+        out, format="PNG", optimize=True)
+    return out.getvalue()
 
 
 def write_alignment_png(path: str | os.PathLike, wave: Tensor, sample_rate: int, transcript: TimedTranscript,

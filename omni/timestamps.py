@@ -232,9 +232,10 @@ def refine_with_energy(spans: list[tuple[int, int]], energy: np.ndarray,
     for k, (a, b) in enumerate(spans):
         left = spans[k - 1][1] + 1 if k else 0  # first frame this word may take
         right = spans[k + 1][0] - 1 if k + 1 < len(spans) else n - 1
-        # continuous speech up to the neighbour: share the frames between the two words at the midpoint
+        # continuous speech up to the neighbour: the frames between the two words are split at the midpoint,
+        # the earlier word taking frames up to (last + next first) // 2, the later one those after it
         if k and loud[left:a].all():
-            left = (spans[k - 1][1] + a + 1) // 2
+            left = (spans[k - 1][1] + a) // 2 + 1
         if k + 1 < len(spans) and loud[b + 1:right + 1].all():
             right = (b + spans[k + 1][0]) // 2
         while a > left and loud[a - 1]:
@@ -434,6 +435,9 @@ def attention_word_timings(cross: Sequence[Tensor], token_probs: Sequence[float]
         p = float(np.mean([token_probs[k] for k in toks]))
         out.append(WordTiming(w, offset + max(f0 - 0.5, 0.0) / tokens_per_second,
                               offset + min(f1 + 0.5, n_frames) / tokens_per_second, p))
+    for k in range(len(out) - 1):  # a DTW path may step down inside a frame: that frame goes to the later word
+        if out[k].end > out[k + 1].start:
+            out[k] = replace(out[k], end=max(out[k + 1].start, out[k].start))
     alignment = None
     if keep_alignment:
         units = [text_tok.decode([i]) for i in ids] + ["<eos>"]

@@ -103,8 +103,17 @@ def test_energy_refinement_widens_spikes_to_the_loud_frames():
                                 energy=energy)
     assert [t for w in words for t in (w.start, w.end)] == pytest.approx([8 / TPS, 26 / TPS, 33 / TPS, 55 / TPS])
     # continuous speech: the frames between the two words are shared at the midpoint
-    assert refine_with_energy([(10, 24), (35, 52)], np.r_[np.full(5, -60.0), np.full(65, -10.0)]) == \
-        [(5, 29), (30, 69)]
+    speech = np.r_[np.full(5, -60.0), np.full(65, -10.0)]
+    assert refine_with_energy([(10, 24), (35, 52)], speech) == [(5, 29), (30, 69)]
+    assert refine_with_energy([(10, 24), (34, 52), (53, 60)], speech) == [(5, 29), (30, 52), (53, 69)]
+    # and no two words ever share a frame, whatever the energy
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        cuts = np.sort(rng.choice(np.arange(1, 69), 8, replace=False))
+        spans = [(int(a), int(b)) for a, b in zip(cuts[::2], cuts[1::2])]
+        out = refine_with_energy(spans, rng.choice([-60.0, -10.0], 70))
+        assert all(a <= b < c for (a, b), (c, _) in zip(out, out[1:])) and all(a <= s and e <= b for (a, b), (s, e)
+                                                                                in zip(out, spans))
 
 
 # -- DTW over cross-attention ----------------------------------------------------------------------------
@@ -364,7 +373,7 @@ def test_transcribe_srt_vtt_json_end_to_end(export, tmp_path, capsys):
     assert rows[1]["segments"][0]["words"][0]["word"] == "house" and rows[1]["duration"] == 1.0
 
 
-def test_transcribe_format_errors_are_one_line(export, tmp_path, capsys):
+def test_transcribe_format_errors_are_one_line(export, tmp_path, capsys, monkeypatch):
     clip = tmp_path / "a.wav"
     sf.write(clip, speech_like((0.5, True)).numpy(), SR)
     base = ["transcribe", "--checkpoint", str(export), "--device", "cpu"]
@@ -374,6 +383,9 @@ def test_transcribe_format_errors_are_one_line(export, tmp_path, capsys):
     (tmp_path / "file").write_text("x")
     status, _, err = cli([*base, "--output-dir", str(tmp_path / "file"), str(clip)], capsys)
     assert status == 2 and err == f"omni transcribe: error: --output-dir {tmp_path / 'file'}: not a directory\n"
+    monkeypatch.setitem(__import__("sys").modules, "matplotlib", None)  # as if not installed
+    status, _, err = cli([*base, "--alignment", str(tmp_path / "png"), str(clip)], capsys)
+    assert status == 2 and err.count("\n") == 1 and 'pip install -e ".[viz]"' in err and "--alignment" in err
 
 
 def test_cli_format_choices_are_the_writers_formats():
