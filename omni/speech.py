@@ -445,7 +445,8 @@ def transcribe_waveforms(model: Seq2SeqDecoder, audio_tok: AudioTokenizer, text_
     dev = next(model.parameters()).device
     for lo in range(0, len(order), batch_size):
         chunk = [items[i] for i in order[lo:lo + batch_size]]
-        audio, mask = pad_audio([it[2] for it in chunk])
+        # Whisper's front-end makes every window 1,500 tokens: rounding up to 8 would add 4 masked tokens a row
+        audio, mask = pad_audio([it[2] for it in chunk], 1 if audio_tok.frontend == "whisper" else 8)
         out = transcribe_batch(model, text_tok, audio.to(dev), mask.to(dev), beam_size=beam_size,
                                length_penalty=length_penalty, **guards)
         texts.update({(c, w): s for (c, w, _), s in zip(chunk, out)})
