@@ -157,7 +157,7 @@ def main(argv=None) -> int:
         clips = [concatenated(s, rng, args.snr) for s in sentences("train", 20)]
         for fraction in (0.1, 0.2, 0.3, 0.4, 0.5, 0.6):
             ts.LOUD_FRACTION = fraction
-            ts.refine_with_energy.__defaults__ = (fraction,)
+            ts.refine_with_energy.__defaults__ = (fraction, ts.refine_with_energy.__defaults__[1])
             print(fraction, measure(model, audio, text, clips, {"ctc+energy": ("ctc", True, False)}), flush=True)
         return 0
     clips = [concatenated(s, rng, args.snr) for s in sentences("test", args.sentences)]

@@ -219,15 +219,25 @@ def loud_frames(energy: np.ndarray, loud_fraction: float = LOUD_FRACTION) -> np.
     return energy > lo + loud_fraction * (hi - lo)
 
 
+def _trim_quiet(a: int, b: int, loud: np.ndarray) -> tuple[int, int]:
+    """[a, b] without its quiet frames at either end, unless none of it is loud."""
+    inside = np.flatnonzero(loud[a:b + 1])
+    return (a + int(inside[0]), a + int(inside[-1])) if len(inside) else (a, b)
+
+
 def refine_with_energy(spans: list[tuple[int, int]], energy: np.ndarray,
-                       loud_fraction: float = LOUD_FRACTION) -> list[tuple[int, int]]:
-    """Widen each word's frame span [first, last] over the loud frames next to it, never past the frames of
-    its neighbours: the CTC spikes sit inside the word, the pause around it is quiet. A word inside continuous
-    speech (no quiet frame between it and its neighbour) is widened up to the midpoint between the two."""
+                       loud_fraction: float = LOUD_FRACTION, trim: bool = True) -> list[tuple[int, int]]:
+    """Fit each word's frame span [first, last] to the sound: first its quiet ends are cut off (a CTC spike
+    that fell in a pause, as a model does in noise; a span with no loud frame is kept), then it is widened over
+    the loud frames next to it, never past the frames of its neighbours: the CTC spikes sit inside the word, the
+    pause around it is quiet. A word inside continuous speech (no quiet frame between it and its neighbour) is
+    widened up to the midpoint between the two."""
     if not spans:
         return spans
     loud = loud_frames(energy, loud_fraction)
     n = len(energy)
+    if trim:
+        spans = [_trim_quiet(a, b, loud) for a, b in spans]
     out = []
     for k, (a, b) in enumerate(spans):
         left = spans[k - 1][1] + 1 if k else 0  # first frame this word may take
