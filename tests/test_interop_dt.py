@@ -12,6 +12,8 @@ import pytest
 import torch
 from torch import nn
 
+from _interop import o1_weights
+
 from omni.export import load_pretrained, load_tokenizers, save_pretrained
 from omni.interop.hf_decision_transformer import (
     CARRIED,
@@ -26,7 +28,6 @@ from omni.trunk import preset
 
 transformers = pytest.importorskip("transformers")
 from transformers import DecisionTransformerConfig, DecisionTransformerModel  # noqa: E402
-from transformers.pytorch_utils import Conv1D  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
@@ -34,34 +35,17 @@ K = 20  # the official DT context
 TOL = dict(rtol=0, atol=1e-5)
 
 
-def o1_weights(model: nn.Module, seed: int = 0) -> nn.Module:
-    """Weights at O(1) scale: matrices ~ N(0, 1/fan_in), embedding tables ~ N(0, 1), biases ~ N(0, 0.1),
-    norm gains ~ N(1, 0.1)."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for m in model.modules():
-            if isinstance(m, (nn.Linear, Conv1D)):
-                fan_in = m.weight.shape[1] if isinstance(m, nn.Linear) else m.weight.shape[0]
-                m.weight.copy_(torch.randn(m.weight.shape, generator=gen) * fan_in ** -0.5)
-            elif isinstance(m, nn.Embedding):
-                m.weight.copy_(torch.randn(m.weight.shape, generator=gen))
-            elif isinstance(m, nn.LayerNorm):
-                m.weight.copy_(1 + 0.1 * torch.randn(m.weight.shape, generator=gen))
-            else:
-                continue
-            if getattr(m, "bias", None) is not None:
-                m.bias.copy_(0.1 * torch.randn(m.bias.shape, generator=gen))
-        for name, p in model.named_parameters():  # everything else (omni's type embedding) at O(1) too
-            if name.endswith("type_embedding.weight"):
-                p.copy_(torch.randn(p.shape, generator=gen))
-    return model
+def o1(model: nn.Module, seed: int = 0) -> nn.Module:
+    """Weights at O(1) scale (_interop.o1_weights), in eval mode; embedding tables ~ N(0, 1), omni's type embedding
+    too."""
+    return o1_weights(model, seed, named={"type_embedding.weight": 1.0})
 
 
 def hf_model(activation: str = "relu", state_dim: int = 11, act_dim: int = 3, **kw) -> DecisionTransformerModel:
     """HF's DT at the official sizes (hidden 128, 3 layers, 1 head), O(1) weights, eval mode."""
     cfg = DecisionTransformerConfig(state_dim=state_dim, act_dim=act_dim, hidden_size=128, n_layer=3, n_head=1,
                                     max_ep_len=1000, activation_function=activation, **kw)
-    return o1_weights(DecisionTransformerModel(cfg)).eval()
+    return o1(DecisionTransformerModel(cfg)).eval()
 
 
 def converted(hf: DecisionTransformerModel, **tokenizer_args) -> tuple[DecisionTransformer, TrajectoryTokenizer, dict]:
@@ -191,7 +175,7 @@ def test_omni_model_in_hf_format(tmp_path):
     tok = TrajectoryTokenizer(11, action_dim=3, max_timestep=1000, context=K, rtg_scale=1000.0,
                               state_mean=[0.1] * 11, state_std=[1.5] * 11, action_low=-1, action_high=1)
     torch.manual_seed(0)
-    model = o1_weights(DecisionTransformer(tok, preset("dt", positions="none", activation="gelu_tanh")), seed=1)
+    model = o1(DecisionTransformer(tok, preset("dt", positions="none", activation="gelu_tanh")), seed=1)
     config = {"builder": "omni.rl:build_decision_transformer", "trunk": model.trunk_config.to_dict(),
               "use_returns": True}
     export = save_pretrained(model, tmp_path / "omni", config, tokenizers={"trajectory": tok})

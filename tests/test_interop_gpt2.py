@@ -7,10 +7,14 @@ generates, bad inputs are one line, and fine-tuning with omni's LM task starts a
 from __future__ import annotations
 
 import json
+from functools import partial
 
 import pytest
 import torch
 from torch import nn
+
+import _interop
+from _interop import o1_weights
 
 from omni.cli import main
 from omni.export import get_builder, load_pretrained, load_tokenizers, save_pretrained
@@ -25,7 +29,6 @@ from omni.trunk import TrunkConfig
 transformers = pytest.importorskip("transformers")
 whisper_tokenizer = pytest.importorskip("whisper.tokenizer")
 from transformers import GPT2Config, GPT2LMHeadModel  # noqa: E402
-from transformers.pytorch_utils import Conv1D  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
@@ -35,30 +38,16 @@ TEXT = ("It is a truth universally acknowledged, that a single man in possession
         "want of a wife.")
 
 
-def o1_weights(model: nn.Module, seed: int = 0) -> nn.Module:
-    """Weights at O(1) scale: matrices ~ N(0, 1/fan_in) (the token and position tables too, fan_in = width, so the
-    tied logits are O(1) and greedy paths vary), biases ~ N(0, 0.1), norm gains ~ N(1, 0.1), omni's type
-    embedding ~ N(0, 0.1) (where it is not zero it must be carried)."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for m in model.modules():
-            if isinstance(m, (nn.Linear, Conv1D, nn.Embedding)):
-                fan_in = m.weight.shape[0] if isinstance(m, Conv1D) else m.weight.shape[1]
-                m.weight.copy_(torch.randn(m.weight.shape, generator=gen) * fan_in ** -0.5)
-            elif isinstance(m, nn.LayerNorm):
-                m.weight.copy_(1 + 0.1 * torch.randn(m.weight.shape, generator=gen))
-            else:
-                continue
-            if getattr(m, "bias", None) is not None:
-                m.bias.copy_(0.1 * torch.randn(m.bias.shape, generator=gen))
-        for name, p in model.named_parameters():
-            if name.endswith("type_embedding.weight"):
-                p.copy_(0.1 * torch.randn(p.shape, generator=gen))
-    return model
+def o1(model: nn.Module, seed: int = 0) -> nn.Module:
+    """Weights at O(1) scale (_interop.o1_weights), in eval mode; the token and position tables ~ N(0, 1/width)
+    too, so the tied logits are O(1) and greedy paths vary; omni's type embedding ~ N(0, 0.1) (where it is not
+    zero it must be carried)."""
+    return o1_weights(model, seed, embedding_std=lambda table: table.shape[1] ** -0.5,
+                      named={"type_embedding.weight": 0.1})
 
 
 def hf_model(seed: int = 0, **kw) -> GPT2LMHeadModel:
-    return o1_weights(GPT2LMHeadModel(GPT2Config(**{**SIZE, **kw})), seed).eval()
+    return o1(GPT2LMHeadModel(GPT2Config(**{**SIZE, **kw})), seed).eval()
 
 
 def omni_lm(hf: GPT2LMHeadModel) -> TextLM:
@@ -197,7 +186,7 @@ def test_omni_lm_in_hf_format_gives_its_logits(lm, tmp_path):
     trunk = TrunkConfig(d_model=48, n_layers=2, n_heads=3, positions="learned_1d", max_positions=40, mlp_ratio=2.0,
                         activation="gelu_tanh")
     model = MultitaskModel([LMTask("text", tok, [TEXT])], trunk)
-    o1_weights(model.omni, seed=2).eval()
+    o1(model.omni, seed=2).eval()
     save_pretrained(model.omni, tmp_path / "omni", model.export_config(), tokenizers={"text": tok})
     out = to_peer(tmp_path / "omni", tmp_path / "hf", "hf")
     back = GPT2LMHeadModel.from_pretrained(out).eval()
@@ -237,12 +226,7 @@ def test_cli_converts_both_ways_and_generates(hf, hf_dir, tmp_path, capsys):
     assert capsys.readouterr().out == PROMPTS[0] + rows[0]["completion"] + "\n"
 
 
-def cli_error(argv: list[str], capsys) -> str:
-    assert main(argv) == 2
-    captured = capsys.readouterr()
-    lines = captured.err.strip().splitlines()
-    assert len(lines) == 1 and "Traceback" not in captured.err, captured.err
-    return lines[0]
+cli_error = partial(_interop.cli_error, prog=None)  # `omni convert` and `omni generate` errors
 
 
 def test_bad_inputs_are_one_line(hf, hf_dir, export, tmp_path, capsys):

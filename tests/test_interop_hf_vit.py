@@ -17,6 +17,8 @@ import torch
 from PIL import Image
 from torch import nn
 
+from _interop import cli_error, o1_weights
+
 from omni.cli import main as omni_main
 from omni.export import load_pretrained, load_tokenizers, save_pretrained
 from omni.interop import ConversionError, convert, read_model, to_peer
@@ -34,22 +36,10 @@ SMALL = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, interme
 
 
 def o1(model: nn.Module, seed: int = 0) -> nn.Module:
-    """Random weights at O(1) scale (module docstring), in eval mode; HF's and omni's names both."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=g)
-            if "norm" in name and name.endswith("weight"):
-                p.copy_(1 + 0.1 * noise)
-            elif name.endswith("bias"):
-                p.copy_(0.1 * noise)
-            elif p.dim() == 2 and "table" not in name:
-                p.copy_(noise / math.sqrt(p.shape[1]))
-            elif p.dim() == 4:  # the patch kernel
-                p.copy_(noise / math.sqrt(p[0].numel()))
-            else:  # class token, position table, type embedding
-                p.copy_(noise)
-    return model.eval()
+    """Random weights at O(1) scale (module docstring), in eval mode; HF's, timm's and omni's names: the class
+    tokens and the position tables ~ N(0, 1)."""
+    return o1_weights(model, seed, by_module=False,
+                      unscaled=("table", "cls_token", "position_embeddings", "pos_embed"))
 
 
 def hf_vit(seed: int = 0, classes: int = 5, cls=ViTForImageClassification, **overrides) -> nn.Module:
@@ -219,14 +209,6 @@ def test_a_timm_vit_reaches_transformers_through_omni(tmp_path):
 
 # ----------------------------------------------------------------------------------------------------
 # Errors
-
-
-def cli_error(argv: list[str], capsys) -> str:
-    capsys.readouterr()
-    assert omni_main(argv) == 2
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and err.startswith("omni convert: error: "), err
-    return err
 
 
 def test_refusals_are_one_line(tmp_path, capsys):

@@ -17,6 +17,7 @@ import torch
 from PIL import Image
 from torch import nn
 
+from _interop import cli_error, o1_weights
 from test_vit_recipe import load_recipe
 
 from omni.cli import main as omni_main
@@ -36,20 +37,8 @@ SMALL = dict(img_size=32, patch_size=8, depth=2, embed_dim=64, num_heads=2, num_
 
 
 def o1(model: nn.Module, seed: int = 0) -> nn.Module:
-    """Random weights at O(1) scale (module docstring), in eval mode."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=g)
-            if "norm" in name and name.endswith("weight"):
-                p.copy_(1 + 0.1 * noise)
-            elif name.endswith("bias"):
-                p.copy_(0.1 * noise)
-            elif p.dim() >= 2 and "pos_embed" not in name and "table" not in name:
-                p.copy_(noise / math.sqrt(p[0].numel()))
-            else:  # class token, position table, type embedding
-                p.copy_(noise)
-    return model.eval()
+    """Random weights at O(1) scale (module docstring), in eval mode: the position tables ~ N(0, 1)."""
+    return o1_weights(model, seed, by_module=False, unscaled=("pos_embed", "table"))
 
 
 def timm_vit(arch: str = "vit_tiny_patch16_224", seed: int = 0, **kwargs) -> nn.Module:
@@ -303,14 +292,6 @@ def test_recipe_fine_tunes_a_timm_checkpoint(tiny_corpora, tmp_path):
 
 # ----------------------------------------------------------------------------------------------------
 # Errors
-
-
-def cli_error(argv: list[str], capsys) -> str:
-    capsys.readouterr()
-    assert omni_main(argv) == 2
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and err.startswith("omni convert: error: "), err
-    return err
 
 
 def test_cli_errors_are_one_line(tiny, tmp_path, capsys):

@@ -14,6 +14,8 @@ import pytest
 import torch
 from torch import nn
 
+from _interop import cli_error, o1_weights
+
 from omni.cli import main as omni_main
 from omni.export import load_pretrained, save_pretrained
 from omni.interop import ConversionError, convert, read_model, to_peer
@@ -35,32 +37,16 @@ TINY = dict(SMALL, n_audio_state=384, n_audio_head=6, n_audio_layer=4, n_text_st
             n_text_layer=4)  # whisper-tiny's dims
 
 
-def o1_weights(model: nn.Module, seed: int = 0) -> nn.Module:
-    """O(1) weights: matrices (and conv kernels) ~ N(0, 1/fan_in), position tables ~ N(0, 1) (the decoder's is a
-    bare Parameter in openai-whisper), biases ~ N(0, 0.1), norm gains ~ N(1, 0.1); the token table is also the
-    LM head's matrix: N(0, 1/d), so that logits are O(1) too."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for m in model.modules():
-            if isinstance(m, (nn.Linear, nn.Conv1d)):
-                m.weight.copy_(torch.randn(m.weight.shape, generator=gen) * m.weight[0].numel() ** -0.5)
-            elif isinstance(m, nn.Embedding):
-                tokens = m.weight.shape[0] > 50000  # the vocabulary, not a position table
-                m.weight.copy_(torch.randn(m.weight.shape, generator=gen) * (m.weight.shape[1] ** -0.5 if tokens else 1))
-            elif isinstance(m, nn.LayerNorm):
-                m.weight.copy_(1 + 0.1 * torch.randn(m.weight.shape, generator=gen))
-            else:
-                continue
-            if getattr(m, "bias", None) is not None:
-                m.bias.copy_(0.1 * torch.randn(m.bias.shape, generator=gen))
-        for name, p in model.named_parameters():
-            if name.endswith("positional_embedding"):
-                p.copy_(torch.randn(p.shape, generator=gen))
-    return model.eval()
+def o1(model: nn.Module, seed: int = 0) -> nn.Module:
+    """Weights at O(1) scale (_interop.o1_weights), in eval mode; position tables ~ N(0, 1) (the decoder's is a
+    bare Parameter in openai-whisper); the token table is also the LM head's matrix: N(0, 1/d), so that logits are
+    O(1) too."""
+    return o1_weights(model, seed, embedding_std=lambda table: table.shape[1] ** -0.5 if table.shape[0] > 50000 else 1,
+                      named={"positional_embedding": 1.0})
 
 
 def openai_model(dims: dict, seed: int = 0) -> Whisper:
-    return o1_weights(Whisper(ModelDimensions(**dims)), seed)
+    return o1(Whisper(ModelDimensions(**dims)), seed)
 
 
 def hf_model(dims: dict, seed: int = 0) -> nn.Module:
@@ -72,7 +58,7 @@ def hf_model(dims: dict, seed: int = 0) -> nn.Module:
                            encoder_attention_heads=dims["n_audio_head"], decoder_attention_heads=dims["n_text_head"],
                            encoder_ffn_dim=4 * d, decoder_ffn_dim=4 * d, max_source_positions=dims["n_audio_ctx"],
                            max_target_positions=dims["n_text_ctx"])
-    return o1_weights(WhisperForConditionalGeneration(config), seed)
+    return o1(WhisperForConditionalGeneration(config), seed)
 
 
 def omni_model(export) -> SpeechRecognizer:
@@ -137,7 +123,7 @@ def test_log_mel_equals_whispers(seconds, n_mels, capsys):
 
 def test_conv_stem_padded_batch_equals_alone():
     tok = AudioTokenizer(frontend="whisper")
-    stem = o1_weights(tok.embedder(32))
+    stem = o1(tok.embedder(32))
     clip = torch.randn(1, 40, 160)
     batch = torch.cat([clip, torch.randn(1, 8, 160)], 1)  # 8 padding tokens of garbage
     mask = torch.arange(48)[None] < 40
@@ -319,14 +305,6 @@ def test_cli_both_ways(small, tmp_path, capsys):
                       "--task", "translate"]) == 0
     reference = whisper_tokenizer_module.get_tokenizer(True, language="de", task="translate")
     assert load_pretrained(tmp_path / "de").prompt == [*reference.sot_sequence, reference.no_timestamps]
-
-
-def cli_error(argv: list[str], capsys) -> str:
-    capsys.readouterr()
-    assert omni_main(argv) == 2
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and err.startswith("omni convert: error: "), err
-    return err
 
 
 def test_cli_errors_are_one_line(small, tmp_path, capsys):
