@@ -344,3 +344,16 @@ def test_warnings_are_one_line_naming_the_command() -> None:
         assert warnings.formatwarning("x.jpg: skipped", UserWarning, "/src/omni/data/cli.py", 94) == \
             "omni data images: warning: x.jpg: skipped\n"
     assert warnings.formatwarning is before  # in-process callers keep their own format
+
+
+def test_closed_stdout_is_no_traceback():
+    """`omni ... | head`: the reader leaves before omni writes; omni ends quietly (141, as SIGPIPE), no traceback."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-m", "omni.cli", "tokenizers"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    proc.stdout.close()  # long before the child has imported omni and printed
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 141, err.decode()
+    assert b"Traceback" not in err and b"BrokenPipe" not in err, err.decode()
