@@ -35,6 +35,8 @@ SMALL = dict(n_mels=80, n_audio_ctx=1500, n_audio_state=64, n_audio_head=4, n_au
              n_text_ctx=448, n_text_state=64, n_text_head=4, n_text_layer=2)
 TINY = dict(SMALL, n_audio_state=384, n_audio_head=6, n_audio_layer=4, n_text_state=384, n_text_head=6,
             n_text_layer=4)  # whisper-tiny's dims
+BASE = dict(SMALL, n_audio_state=512, n_audio_head=8, n_audio_layer=6, n_text_state=512, n_text_head=8,
+            n_text_layer=6)  # whisper-base's dims
 
 
 def o1(model: nn.Module, seed: int = 0) -> nn.Module:
@@ -135,7 +137,7 @@ def test_conv_stem_padded_batch_equals_alone():
 # Logits
 
 
-@pytest.mark.parametrize("dims", [SMALL, TINY, dict(SMALL, n_vocab=51864)], ids=["small", "tiny", "english"])
+@pytest.mark.parametrize("dims", [SMALL, TINY, BASE, dict(SMALL, n_vocab=51864)], ids=["small", "tiny", "base", "english"])
 def test_logits_equal_openai_whisper(dims, capsys):
     peer = openai_model(dims)
     model = omni_model(from_openai(peer.state_dict(), dims))
@@ -150,8 +152,9 @@ def test_logits_equal_openai_whisper(dims, capsys):
     assert diff <= 1e-4
 
 
-def test_logits_equal_hf(capsys):
-    peer = hf_model(SMALL)
+@pytest.mark.parametrize("dims", [SMALL, TINY, BASE], ids=["64d", "tiny", "base"])
+def test_logits_equal_hf(dims, capsys):
+    peer = hf_model(dims)
     model = omni_model(from_hf(peer.state_dict(), peer.config.to_dict()))
     tok = AudioTokenizer(frontend="whisper")
     clips = [wave(9.0, 3), wave(0.7, 4)]
@@ -160,7 +163,7 @@ def test_logits_equal_hf(capsys):
         expected = peer(input_features=torch.stack([whisper_mel(c) for c in clips]), decoder_input_ids=text).logits
         got = model(*omni_audio(model, tok, clips), text)
     diff = (got - expected).abs().max().item()
-    report("HF WhisperForConditionalGeneration logits", diff, capsys, expected)
+    report(f"HF WhisperForConditionalGeneration logits {dims['n_audio_state']}d", diff, capsys, expected)
     assert diff <= 1e-4
 
 
