@@ -7,6 +7,7 @@ file in the same folder, then ``os.replace``: a reader never sees half a picture
     returns_plot(rows, (random, expert), "runs/dt/returns.png")
     image_grid(images, labels, predicted, class_names)
     attention_overlay(image, heat, [("Sneaker", 0.91), ...], "attention/shoe.png")
+    attention_grid(images, heats, labels, [[(7, 0.91), (5, 0.04)], ...], class_names)   # a few, side by side
 
 matplotlib is optional (the ``viz`` extra). It is imported when the first picture is drawn, with the Agg canvas
 and no pyplot, so no global backend or figure state changes in the caller's process; a missing matplotlib is
@@ -356,6 +357,89 @@ def attention_overlay(image: Any, heat: Any, top_k: Sequence[tuple[str, float]] 
     return _finish(fig, path)
 
 
+# attention_grid's layout, in inches (DPI 100): a pair of square panels per image, ``columns`` pairs a row
+_PANEL, _PAIR_GAP, _GAP, _MARGIN, _TOP, _BOTTOM, _LINE = 1.5, 0.08, 0.35, 0.2, 0.4, 0.12, 0.14
+
+
+def _attention_layout(n: int, columns: int, lines: int) -> tuple[float, float, list[tuple[tuple, tuple]]]:
+    """(width, height) in inches and, per image, the (left, bottom, width, height) figure fractions of its input
+    and heat-map panels; ``lines``: the text lines above a panel."""
+    cols = max(1, min(columns, n))
+    rows = math.ceil(n / cols)
+    band = _LINE * lines + 0.1  # the titles above a row of panels
+    width = 2 * _MARGIN + cols * (2 * _PANEL + _PAIR_GAP) + (cols - 1) * _GAP
+    height = _TOP + rows * (band + _PANEL) + _BOTTOM
+    boxes = []
+    for k in range(n):
+        r, c = divmod(k, cols)
+        left = _MARGIN + c * (2 * _PANEL + _PAIR_GAP + _GAP)
+        bottom = height - _TOP - r * (band + _PANEL) - band - _PANEL
+        boxes.append(tuple((x / width, bottom / height, _PANEL / width, _PANEL / height)
+                           for x in (left, left + _PANEL + _PAIR_GAP)))
+    return width, height, boxes
+
+
+def attention_grid_boxes(n: int, columns: int = 2, top_k: int = 2) -> list[tuple[tuple[int, int, int, int], ...]]:
+    """Where ``attention_grid`` (``n`` images, ``columns``, ``top_k`` classes each) draws each image's two panels
+    in its picture: ((top, left, bottom, right) of the input, the same of the heat map), in pixels, bottom and
+    right excluded: e.g. ``rgb[t:b, l:r]`` is one panel."""
+    width, height, boxes = _attention_layout(n, columns, max(top_k, 1))
+    H = round(height * DPI)
+
+    def pixels(box: tuple) -> tuple[int, int, int, int]:
+        left, bottom, w, h = box
+        return (round(H - (bottom + h) * H), round(left * width * DPI), round(H - bottom * H),
+                round((left + w) * width * DPI))
+
+    return [(pixels(a), pixels(b)) for a, b in boxes]
+
+
+def attention_grid(images: Sequence[Any], heats: Sequence[Any], labels: Sequence[int],
+                   top_k: Sequence[Sequence[tuple[int, float]]], class_names: Sequence[str] | None = None,
+                   path: str | os.PathLike | None = None, *, patch_size: int | None = None, columns: int = 2,
+                   label: str = "attention rollout", title: str | None = None) -> np.ndarray:
+    """A few images, each as a pair of panels: the image as the model saw it (its true class above) and the same
+    image under its heat map (``heats[k]``: (gh, gw), one value per patch, drawn as ``attention_overlay`` draws
+    it, each map over its own range) with the top-k classes and probabilities above (green: the first is the
+    true class, red: it is not). ``top_k[k]``: [(class index, probability), ...], best first. The panels lie
+    where ``attention_grid_boxes`` says."""
+    n = len(images)
+    if not n or len(heats) != n or len(labels) != n or len(top_k) != n:
+        raise ValueError(f"attention_grid needs as many heat maps, labels and top-k lists as images (>= 1), got "
+                         f"{n} images, {len(heats)} maps, {len(labels)} labels, {len(top_k)} top-k lists")
+    name = (lambda i: class_names[int(i)]) if class_names else (lambda i: str(int(i)))
+    lines = max(1, max(len(t) for t in top_k))
+    width, height, boxes = _attention_layout(n, columns, lines)
+    fig = _figure(width, height)
+    right = 0
+    for k, (box_in, box_heat) in enumerate(boxes):
+        img = as_hwc(images[k])
+        heat = heats[k]
+        h = np.asarray(heat.detach().cpu().float().numpy() if hasattr(heat, "detach") else heat, dtype=np.float64)
+        if h.ndim != 2 or not h.size:
+            raise ValueError(f"heats[{k}] must be a (rows, columns) patch-grid map, got shape {h.shape}")
+        H, W = img.shape[:2]
+        ph, pw = (patch_size, patch_size) if patch_size else (H / h.shape[0], W / h.shape[1])
+        plain, under = fig.add_axes(box_in), fig.add_axes(box_heat)
+        for ax in (plain, under):
+            _show(ax, img, extent=(0, W, H, 0))
+            ax.set_xlim(0, W)
+            ax.set_ylim(H, 0)
+            ax.set_axis_off()
+        top = float(h.max()) if h.max() > h.min() else float(h.min()) + 1e-9
+        under.imshow(h, cmap="inferno", alpha=0.6, interpolation="nearest", vmin=float(h.min()), vmax=top,
+                     extent=(0.0, h.shape[1] * pw, h.shape[0] * ph, 0.0))
+        ok = bool(top_k[k]) and int(top_k[k][0][0]) == int(labels[k])
+        right += ok
+        plain.set_title(f"true: {name(labels[k])}", fontsize=8, loc="left")
+        under.set_title("\n".join(f"{name(c)} {p:.2f}" for c, p in top_k[k]), fontsize=8, loc="left",
+                        color="tab:green" if ok else "tab:red")
+    head = f"{title}: " if title else ""
+    fig.suptitle(f"{head}{label}, {right}/{n} right (brighter: more attention)", fontsize=9,
+                 y=1 - 0.08 / height)
+    return _finish(fig, path)
+
+
 def spectrogram(features: Any, path: str | os.PathLike | None = None, *, title: str | None = None,
                 frames_per_second: float | None = None) -> np.ndarray:
     """A (frames, bins) log-mel spectrogram as an image (time across, frequency up), with a colorbar."""
@@ -376,5 +460,5 @@ def spectrogram(features: Any, path: str | os.PathLike | None = None, *, title: 
     return _finish(fig, path)
 
 
-__all__ = ["Clip", "Item", "Note", "Picture", "as_hwc", "attention_overlay", "curve_series", "ema", "image_grid",
-           "returns_plot", "spectrogram", "training_curves", "write_png"]
+__all__ = ["Clip", "Item", "Note", "Picture", "as_hwc", "attention_grid", "attention_grid_boxes", "attention_overlay",
+           "curve_series", "ema", "image_grid", "returns_plot", "spectrogram", "training_curves", "write_png"]

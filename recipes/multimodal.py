@@ -272,6 +272,7 @@ def fashion_mnist(spec: dict, cfg: dict, text) -> dict[str, dict[str, Any]]:
         labels = read_idx(next(folder.glob(f"{stem}-labels-idx1-ubyte*")))[:limit]
         out[split] = {"tokenizer": image, "items": [torch.from_numpy(x.copy())[None] for x in images],
                       "labels": labels.astype(np.int64).tolist(), "n_classes": 10}
+    out["test"]["attention"] = 4  # the samples (TensorBoard) show 4 held-out images' attention rollout too
     return out
 
 

@@ -224,16 +224,23 @@ def main(argv=None) -> dict:
     shown: list = []  # the first eval batch's first 16 images, taken at the first evaluation
 
     def samples(model, step):
-        """TensorBoard: those images with the predicted class and probability over the true one."""
-        from omni.plots import Picture, image_grid
+        """TensorBoard: those images with the predicted class and probability over the true one, and the first 4
+        under the model's attention rollout with their top-2 classes."""
+        from omni.introspect import image_attention
+        from omni.plots import Picture, attention_grid, image_grid
 
         if not shown:
             images, labels = next(iter(eval_data))
             shown.extend([images[:16], labels[:16].tolist()])
         probs = model(shown[0]).float().softmax(-1)
         p, predicted = probs.max(-1)
-        return [Picture("eval/predictions", image_grid(shown[0], shown[1], predicted.tolist(), class_names,
-                                                       probabilities=p.tolist()))]
+        grid = image_grid(shown[0], shown[1], predicted.tolist(), class_names, probabilities=p.tolist())
+        heats = image_attention(model, shown[0][:4])  # after the grid: only when pictures are drawn
+        top_p, top_c = probs[:4].topk(min(2, n_classes), -1)
+        top = [list(zip(c.tolist(), q.tolist())) for c, q in zip(top_c, top_p)]
+        return [Picture("eval/predictions", grid),
+                Picture("eval/attention", attention_grid(shown[0][:4], heats, shown[1][:4], top, class_names,
+                                                         patch_size=model.patch_size))]
 
     config = train_config(cfg, steps=steps, warmup_steps=every(cfg["warmup_epochs"]),
                           eval_every=every(cfg["eval_every_epochs"]),

@@ -22,13 +22,15 @@ class ClassifyTask(Task):
     """One segment of ``tokenizer``'s modality per sample, one class label -> ClassificationHead.
 
     ``items[i]`` is a raw input for ``tokenizer.encode`` (encoded when drawn) or an already encoded Segment.
+    ``attention``: how many of the first items an image task's ``samples`` also shows under the model's attention
+    rollout (0: none).
     """
 
     metric_names = ("accuracy",)
 
     def __init__(self, name: str, tokenizer: Tokenizer, items: Sequence[Any], labels: Sequence[int], n_classes: int,
                  *, weight: float = 1.0, loss_weight: float = 1.0, pool: str = "mean",
-                 label_smoothing: float = 0.0) -> None:
+                 label_smoothing: float = 0.0, attention: int = 0) -> None:
         super().__init__(name, weight, loss_weight)
         if len(items) != len(labels) or not len(items):
             raise ValueError(f"task {name!r}: {len(items)} items but {len(labels)} labels (need as many, >= 1)")
@@ -37,7 +39,7 @@ class ClassifyTask(Task):
             raise ValueError(f"task {name!r}: labels must lie in [0, {n_classes}), got {bad[:5]}")
         self.tokenizer, self.items, self.labels = tokenizer, items, [int(y) for y in labels]
         self.n_classes, self.pool, self.label_smoothing = int(n_classes), pool, float(label_smoothing)
-        self.modality = tokenizer.modality
+        self.modality, self.attention = tokenizer.modality, max(int(attention), 0)
 
     def tokenizers(self) -> dict[str, Tokenizer]:
         return {self.modality: self.tokenizer}
@@ -90,25 +92,43 @@ class ClassifyTask(Task):
 
     def samples(self, model: OmniModel, count: int = 8) -> list[Any]:
         """An image task's first ``count`` held-out images (as the model saw them: the tokenizer's ``decode``) with
-        their predicted class and probability over the true one; other modalities have no picture."""
+        their predicted class and probability over the true one (``<name>/predictions``); with ``attention`` > 0,
+        also the first ``attention`` images under the model's attention rollout (``omni.introspect.image_attention``,
+        read by the query the head pools) with their top-2 classes (``<name>/attention``,
+        ``omni.plots.attention_grid``), computed after the first picture is drawn (never without matplotlib).
+        Other modalities have no picture."""
         decode = getattr(self.tokenizer, "decode", None)
         if self.modality != "image" or decode is None or count < 1:
             return []
         from omni.mixture import eval_batches
-        from omni.plots import Picture, image_grid
+        from omni.plots import Picture, attention_grid, image_grid
 
         rng = np.random.default_rng(0)  # (not drawn from: every item is taken whole)
-        chosen = [self.sample(i, rng) for i in range(min(count, len(self)))]
+        shown, heated = min(count, len(self)), min(self.attention, len(self))
+        chosen = [self.sample(i, rng) for i in range(max(shown, heated))]
         row = -(-sum(len(s) for s in chosen) // 128) * 128  # one packed row holds them all
         with inference(model) as dev:
             batch = next(iter(eval_batches(chosen, row, 1))).to(dev)
             probs = self.logits(model, model(batch), batch).float().softmax(-1)
-            labels = self.segment_labels(batch)
+            labels = self.segment_labels(batch).tolist()
         p, predicted = probs.max(-1)
         images = [decode(s.segments[0]) for s in chosen]
         names = getattr(self, "class_names", None)
-        return [Picture(f"{self.name}/predictions", image_grid(images, labels.tolist(), predicted.tolist(), names,
-                                                               probabilities=p.tolist(), title=self.name))]
+        # drawn first: without matplotlib this raises before any attention is computed
+        items = [Picture(f"{self.name}/predictions", image_grid(images[:shown], labels[:shown],
+                                                                predicted[:shown].tolist(), names,
+                                                                probabilities=p[:shown].tolist(), title=self.name))]
+        if heated:
+            from omni.introspect import image_attention
+
+            with inference(model):
+                heats = [image_attention(model, s.segments[0], head=self.name)[0] for s in chosen[:heated]]
+            top_p, top_c = probs[:heated].topk(min(2, self.n_classes), -1)
+            top = [list(zip(c.tolist(), q.tolist())) for c, q in zip(top_c, top_p)]
+            items.append(Picture(f"{self.name}/attention", attention_grid(
+                images[:heated], heats, labels[:heated], top, names, patch_size=self.tokenizer.patch_size,
+                title=self.name)))
+        return items
 
     eval_options = staticmethod(packed_eval_options)
 
