@@ -401,10 +401,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also write DIR/<name>.png per file: the log-mel with the words' spans over the alignment "
                         "the times come from (CTC posteriors or cross-attention, with the path) (needs matplotlib: "
                         "pip install -e \".[viz]\")")
-    p.add_argument("--timestamps", choices=("auto", "ctc", "attention"), default="auto",
+    p.add_argument("--timestamps", choices=("auto", "ctc", "attention", "tokens"), default="auto",
                    help="where word times come from: ctc: forced alignment on the encoder's CTC head; attention: "
                         "DTW over the decoder's cross-attention (Whisper's way); auto: ctc when the export has a "
-                        "CTC head (default: auto)")
+                        "CTC head; tokens (converted Whispers): segments from the model's own timestamp tokens "
+                        "(decoded in Whisper's timestamp mode), word times inside them from cross-attention "
+                        "(default: auto)")
     p.add_argument("--beam-size", type=_positive_int, default=1, help="beam width (1 = greedy)")
     p.add_argument("--length-penalty", type=_finite_float, default=1.0,
                    help="GNMT length penalty alpha for beam search (0 = none)")

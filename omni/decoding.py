@@ -15,6 +15,8 @@ The parts (the split of openai/whisper's decoding.py):
     MinNewTokens      a LogitFilter (omni.interfaces): eos cannot win before min_new_tokens
     SuppressTokens    a LogitFilter: these ids are never chosen (Whisper's suppress_tokens)
     SuppressAtStart   a LogitFilter: these ids are not chosen first (Whisper's suppress_blank: " " and eot)
+    TimestampRules    a LogitFilter: Whisper's timestamp rules (pairs, a first timestamp <= 1 s, never decreasing,
+                      a timestamp when they outweigh the best text token), for decoding with timestamp tokens
                       (a model's own filters, ``model.logit_filters``, run after DecodingOptions' in every strategy)
     RepetitionGuard   a stop rule: a row ending in max_repeats copies of one block of <= max_period tokens ends,
                       keeping the first copy
@@ -141,6 +143,74 @@ class SuppressAtStart(nn.Module):
     def forward(self, logits: Tensor, tokens: Tensor, t: Tensor) -> Tensor:
         logits[:, self.ids] = torch.where(t == 0, NEG_INF, logits[:, self.ids])
         return logits
+
+
+class TimestampRules:
+    """Whisper's timestamp rules (openai-whisper's ApplyTimestampRules), for decoding with timestamp tokens
+    (ids ``timestamp_begin`` .. the end of the vocabulary: <|0.00|>, <|0.02|>, ... <|30.00|>):
+
+    * <|notimestamps|> is never chosen;
+    * the first token is a timestamp, at most ``max_initial`` steps (Whisper: 50, 1.0 s) past <|0.00|>;
+    * timestamps come in pairs (a segment's end, the next one's start), except directly before eos: after a
+      pair (or after the first token) text follows, after a lone timestamp a timestamp or eos (no text);
+    * timestamps never decrease: at least the last one when it closes a segment, later than it otherwise
+      (every segment has a length, so decoding cannot loop on one time);
+    * when the timestamps together are more probable than the most probable text token, a timestamp is chosen.
+
+    The history is ``tokens[:, :t]`` (the strategy's chosen tokens). All rules are masks over the batch and the
+    vocabulary built from ``t`` and the history on the device, then one data-dependent choice per row (the
+    probability rule) taken with a mask too: fixed shapes and no host sync, so the graphed greedy step may carry
+    it. Rows that ended are masked like any other (their choice is ignored)."""
+
+    def __init__(self, timestamp_begin: int, eos_id: int, no_timestamps_id: int | None,
+                 max_initial: int | None = 50) -> None:
+        if eos_id >= timestamp_begin:
+            raise ValueError(f"eos id {eos_id} must come before the timestamp tokens ({timestamp_begin} on)")
+        self.timestamp_begin, self.eos_id = timestamp_begin, eos_id
+        self.no_timestamps_id, self.max_initial = no_timestamps_id, max_initial
+
+    def pairs(self, vocab: Tensor, last: Tensor, penultimate: Tensor) -> Tensor:
+        """(N, V) banned by pairing: no timestamp after two (or after a first one), no text after a lone one."""
+        two = (last & penultimate)[:, None] & (vocab >= self.timestamp_begin)
+        lone = (last & ~penultimate)[:, None] & (vocab < self.eos_id)  # eos and the specials stay allowed
+        return two | lone
+
+    def monotonic(self, vocab: Tensor, tokens: Tensor, history: Tensor, closes: Tensor) -> Tensor:
+        """(N, V) banned as earlier than the last timestamp (as early, too, unless it closes a segment)."""
+        col = torch.arange(tokens.shape[1], device=tokens.device)
+        at = torch.where(history, col, -1).amax(1)  # (N,) column of the latest timestamp, -1: none yet
+        latest = tokens.gather(1, at.clamp(min=0)[:, None])[:, 0]  # latest, not largest: any history is handled
+        bound = torch.where(closes, latest, latest + 1)
+        return (at >= 0)[:, None] & (vocab >= self.timestamp_begin) & (vocab < bound[:, None])
+
+    def start(self, vocab: Tensor, t: Tensor) -> Tensor:
+        """(V,) banned at the first token: text, eos and timestamps past ``max_initial``."""
+        late = vocab > self.timestamp_begin + self.max_initial if self.max_initial is not None else vocab < 0
+        return (t == 0) & ((vocab < self.timestamp_begin) | late)
+
+    def force(self, logits: Tensor) -> Tensor:
+        """Rows whose timestamps outweigh every text token (in probability) choose a timestamp."""
+        tb = self.timestamp_begin
+        logprobs = torch.log_softmax(logits.float(), -1)
+        mass = logprobs[:, tb:].logsumexp(-1) > logprobs[:, :tb].amax(-1)
+        logits[:, :tb].masked_fill_(mass[:, None], NEG_INF)  # a view: fills logits in place
+        return logits
+
+    def __call__(self, logits: Tensor, tokens: Tensor, t: Tensor) -> Tensor:
+        N, V, W = logits.shape[0], logits.shape[1], tokens.shape[1]
+        vocab = torch.arange(V, device=logits.device)
+        history = (tokens >= self.timestamp_begin) & (torch.arange(W, device=tokens.device) < t)  # (N, W)
+
+        def back(k: int) -> Tensor:  # (N,) tokens[:, t - k] (column 0 while t < k: masked by the callers)
+            return tokens.gather(1, (t - k).clamp(min=0).expand(N, 1))[:, 0]
+
+        last = (t >= 1) & (back(1) >= self.timestamp_begin)
+        penultimate = (t < 2) | (back(2) >= self.timestamp_begin)  # Whisper counts "no penultimate" as one
+        banned = self.pairs(vocab, last, penultimate) | self.monotonic(vocab, tokens, history, last & ~penultimate)
+        logits.masked_fill_(banned | self.start(vocab, t), NEG_INF)
+        if self.no_timestamps_id is not None:
+            logits[:, self.no_timestamps_id] = NEG_INF
+        return self.force(logits)
 
 
 class RepetitionGuard:
@@ -523,5 +593,5 @@ class GraphedGreedyDecoder:
 
 
 __all__ = ["BeamSearch", "CachedInference", "Decoding", "DecodingOptions", "FullInference", "GraphedGreedyDecoder",
-           "Greedy", "MinNewTokens", "RepetitionGuard", "SuppressAtStart", "SuppressTokens", "beam_search",
-           "greedy_decode", "length_normalised"]
+           "Greedy", "MinNewTokens", "RepetitionGuard", "SuppressAtStart", "SuppressTokens", "TimestampRules",
+           "beam_search", "greedy_decode", "length_normalised"]

@@ -21,6 +21,10 @@ Design decisions (documented here because recipes/whisper.py and `omni transcrib
   keeps only the first copy of that block. ``GraphedGreedyDecoder`` (and ``greedy_decode(graph=True)``)
   captures the one fixed-shape step in a CUDA graph replayed per token (tests/test_whisper_decode_graph.py;
   benchmarks/whisper_throughput.py times it).
+* A converted Whisper also decodes with its timestamp tokens (``SpeechRecognizer.timestamp_mode()``: the prompt
+  without <|notimestamps|> and Whisper's timestamp rules, ``omni.decoding.TimestampRules``); its tokens become
+  segments with absolute times (``timestamp_segments``, ``transcribe_timestamp_tokens``: ``omni transcribe
+  --timestamps tokens``). The export's own prompt and rules, and so the default decoding, are unchanged.
 * Long audio (longer than the tokenizer's ``max_seconds``, 30 s) is cut by ``split_windows`` at the
   quietest 20 ms frame of the last ``search_seconds`` of each window, so cuts fall in pauses, not in
   words; the windows are decoded as independent batch rows and their texts joined with one space.
@@ -35,15 +39,16 @@ import math
 import os
 import re
 import unicodedata
-from dataclasses import dataclass
-from typing import Any, Hashable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, Hashable, Iterator, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
 from rapidfuzz.distance import Levenshtein
 from torch import Tensor, nn
 
-from omni.decoding import GraphedGreedyDecoder, SuppressAtStart, SuppressTokens, beam_search, greedy_decode
+from omni.decoding import (GraphedGreedyDecoder, SuppressAtStart, SuppressTokens, TimestampRules, beam_search,
+                           greedy_decode)
 from omni.heads import LMHead
 from omni.interfaces import Seq2SeqDecoder
 from omni.tokenizers.audio import AudioTokenizer, load_audio
@@ -54,6 +59,10 @@ from omni.trunk import KVCache, Trunk, TrunkConfig
 TASK = "transcribe"
 CTC_BLANK = 256  # CTC labels are bytes 0..255 of the normalised transcript; 256 is the blank
 SILENCE_PEAK = 1e-4  # |sample| peak below this (-80 dBFS) = a silent file: nothing to transcribe
+NO_TIMESTAMPS, FIRST_TIMESTAMP = "<|notimestamps|>", "<|0.00|>"  # Whisper's vocabulary (omni.tokenizers.ranks)
+TIMESTAMPS_PER_SECOND = 50  # Whisper's timestamp tokens: <|0.00|>, <|0.02|>, ... <|30.00|>
+TIMESTAMP_SECONDS = 1 / TIMESTAMPS_PER_SECOND
+MAX_INITIAL_TIMESTAMP = 1.0  # whisper.decode's max_initial_timestamp: the first timestamp is at most this (s)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -106,11 +115,23 @@ class SpeechRecognizer(nn.Module):
         # Logit rules every decoding strategy applies (omni.decoding reads ``logit_filters``); ids in non-persistent
         # buffers, so they follow the model's device and stay out of the state dict.
         self.logit_filters = nn.ModuleList(self.decoding.filters())
+        # Whisper's timestamp tokens, where the vocabulary has them and the prompt is a config (Whisper's) prompt:
+        # ``timestamp_mode()`` decodes with them. None otherwise (omni's own prompt was never trained on them).
+        self.timestamp_begin: int | None = None
+        self.no_timestamps_id: int | None = None
+        if self.prompt_names is not None and {NO_TIMESTAMPS, FIRST_TIMESTAMP} <= set(text.special_tokens):
+            self.timestamp_begin = text.token_id(FIRST_TIMESTAMP)
+            self.no_timestamps_id = text.token_id(NO_TIMESTAMPS)
 
     @property
     def prompt(self) -> list[int]:
         """The decoder prompt every transcript starts with: [bos, <|transcribe|>], or the config's."""
         return list(self._prompt)
+
+    def timestamp_mode(self) -> "TimestampMode":
+        """This model decoded with Whisper's timestamp tokens (``TimestampMode``); ValueError for a model without
+        them."""
+        return TimestampMode(self)
 
     def encode(self, audio: Tensor, audio_mask: Tensor | None = None) -> Tensor:
         """audio (B, S, F) audio tokens, audio_mask (B, S) bool True = real -> memory (B, S, d)."""
@@ -155,6 +176,77 @@ class SpeechRecognizer(nn.Module):
             raise ValueError("this SpeechRecognizer has no CTC head: build it with ctc=True")
         memory = self.encode(audio, audio_mask)
         return self.forward_head(self.decode_hidden(text, memory, audio_mask)), self.ctc_head(memory)
+
+
+class TimestampMode:
+    """A SpeechRecognizer with Whisper's timestamp tokens, decoded as ``whisper.decode(without_timestamps=False)``
+    does: the prompt without <|notimestamps|>, the model's own logit rules and then ``TimestampRules`` (first
+    timestamp at most ``MAX_INITIAL_TIMESTAMP``). An ``omni.interfaces.Seq2SeqDecoder`` over the same weights
+    (nothing copied, the model unchanged), so every strategy and ``GraphedGreedyDecoder`` decode it;
+    ``timestamp_segments`` turns its tokens into timed segments."""
+
+    def __init__(self, model: SpeechRecognizer) -> None:
+        if getattr(model, "timestamp_begin", None) is None:
+            raise ValueError("this model has no Whisper timestamp tokens (<|0.00|> .. <|30.00|> and a Whisper "
+                             "prompt with <|notimestamps|>): only converted Whispers decode with timestamps")
+        self.model = model
+        self.eos_id, self.pad_id, self.tokens_per_second = model.eos_id, model.pad_id, model.tokens_per_second
+        self.decoding, self.timestamp_begin = model.decoding, model.timestamp_begin
+        self._prompt = [i for i in model.prompt if i != model.no_timestamps_id]
+        self.rules = TimestampRules(model.timestamp_begin, model.eos_id, model.no_timestamps_id,
+                                    round(MAX_INITIAL_TIMESTAMP * TIMESTAMPS_PER_SECOND))
+
+    @property
+    def prompt(self) -> list[int]:
+        return list(self._prompt)
+
+    @property
+    def logit_filters(self) -> list[Any]:
+        """The model's rules, then the timestamp rules: their probability rule reads the suppressed logits."""
+        return [*self.model.logit_filters, self.rules]
+
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
+        return self.model.parameters(recurse)
+
+    def encode(self, audio: Tensor, audio_mask: Tensor | None = None) -> Tensor:
+        return self.model.encode(audio, audio_mask)
+
+    def new_cache(self, memory: Tensor, max_length: int) -> KVCache:
+        return self.model.new_cache(memory, max_length)
+
+    def logits(self, text: Tensor, memory: Tensor | None, audio_mask: Tensor | None, cache: KVCache | None = None,
+               cache_position: Tensor | None = None) -> Tensor:
+        return self.model.logits(text, memory, audio_mask, cache, cache_position)
+
+
+def timestamp_segments(ids: Sequence[int], timestamp_begin: int, *, offset: float = 0.0,
+                       duration: float = 30.0) -> list[tuple[float, float, list[int]]]:
+    """Tokens decoded in timestamp mode (``TimestampMode``; prompt and eos excluded) -> segments (start, end, text
+    ids), times absolute: ``offset`` (the window's start in its file, s) + the token's time. A timestamp after
+    text closes a segment, one after a timestamp (or at the start) opens the next; text before any timestamp
+    starts where the last segment ended (0 at first); text after the last timestamp (the token limit, or a
+    segment Whisper would have re-decoded from its start: omni's windows are fixed) ends at the window's end.
+    Times are clamped to the window (``duration`` s: a 30.00 token in a shorter window); empty segments are
+    dropped."""
+    segments: list[tuple[float, float, list[int]]] = []
+    start: float | None = None
+    end = 0.0  # where the last segment ended
+    body: list[int] = []
+    for i in ids:
+        if i < timestamp_begin:
+            body.append(int(i))
+            continue
+        at = min((i - timestamp_begin) / TIMESTAMPS_PER_SECOND, duration)  # 60 / 50, not 60 * 0.02: 1.2 exactly
+        if body:
+            begin = end if start is None else start
+            segments.append((offset + begin, offset + max(at, begin), body))
+            body, start, end = [], None, max(at, begin)
+        else:
+            start = at
+    if body:
+        begin = end if start is None else start
+        segments.append((offset + begin, offset + max(duration, begin), body))
+    return segments
 
 
 def sinusoid(length: int, d: int, device: torch.device | str | None = None) -> Tensor:
@@ -351,18 +443,25 @@ speech_loss = SpeechLoss()  # decoder cross-entropy only (the loss of every mode
 
 
 @torch.no_grad()
-def transcribe_batch(model: Seq2SeqDecoder, text_tok: TextTokenizer, audio: Tensor,
-                     audio_mask: Tensor, *, beam_size: int = 1, length_penalty: float = 1.0,
-                     **guards: Any) -> list[str]:
-    """Padded audio tokens (B, S, F) + mask -> transcripts (greedy for beam_size 1, else beam search). The model's
-    own decoding guards (``SpeechRecognizer.decoding``: a converted Whisper's) are the defaults of ``guards``."""
+def decode_batch(model: Seq2SeqDecoder, audio: Tensor, audio_mask: Tensor, *, beam_size: int = 1,
+                 length_penalty: float = 1.0, **guards: Any) -> list[list[int]]:
+    """Padded audio tokens (B, S, F) + mask -> the generated ids of each row (greedy for beam_size 1, else beam
+    search). The model's own decoding guards (``SpeechRecognizer.decoding``: a converted Whisper's) are the
+    defaults of ``guards``. ``model`` may be a ``TimestampMode`` (ids then hold timestamp tokens)."""
     rules = getattr(model, "decoding", None)
     guards = {**dict(rules.guards), **guards} if isinstance(rules, DecodingRules) else guards
     memory = model.encode(audio, audio_mask)
     if beam_size == 1:
-        ids = greedy_decode(model, memory, audio_mask, **guards)
-    else:
-        ids = beam_search(model, memory, audio_mask, beam_size=beam_size, length_penalty=length_penalty, **guards)
+        return greedy_decode(model, memory, audio_mask, **guards)
+    return beam_search(model, memory, audio_mask, beam_size=beam_size, length_penalty=length_penalty, **guards)
+
+
+@torch.no_grad()
+def transcribe_batch(model: Seq2SeqDecoder, text_tok: TextTokenizer, audio: Tensor,
+                     audio_mask: Tensor, *, beam_size: int = 1, length_penalty: float = 1.0,
+                     **guards: Any) -> list[str]:
+    """Padded audio tokens (B, S, F) + mask -> transcripts (``decode_batch``, decoded to text)."""
+    ids = decode_batch(model, audio, audio_mask, beam_size=beam_size, length_penalty=length_penalty, **guards)
     return [text_tok.decode(row) for row in ids]
 
 
@@ -435,38 +534,103 @@ def transcribe_waveforms(model: Seq2SeqDecoder, audio_tok: AudioTokenizer, text_
     length and decoded in batches of ``batch_size``; a clip's window texts are joined with one space."""
     keys = list(keys) if keys is not None else [str(i) for i in range(len(waves))]
     window = window_seconds or audio_tok.max_seconds or 30.0
-    items: list[tuple[int, int, Tensor]] = []  # (clip, window index, tokens)
+    clips, windows, names = [], [], []
     for c, (wave, key) in enumerate(zip(waves, keys)):
-        for w, (a, b) in enumerate(split_windows(wave, audio_tok.sample_rate, window)):
-            seg = audio_tok.encode((wave[a:b], audio_tok.sample_rate), key=f"{key}[{a}:{b}]")
-            items.append((c, w, seg.tokens))
-    order = sorted(range(len(items)), key=lambda i: items[i][2].shape[0])
-    texts: dict[tuple[int, int], str] = {}
+        for a, b in split_windows(wave, audio_tok.sample_rate, window):
+            clips.append(c)
+            windows.append(wave[a:b])
+            names.append(f"{key}[{a}:{b}]")
+    ids = decode_windows(model, audio_tok, windows, keys=names, batch_size=batch_size, beam_size=beam_size,
+                         length_penalty=length_penalty, **guards)
+    parts: list[list[str]] = [[] for _ in waves]
+    for c, row in zip(clips, ids):
+        parts[c].append(text_tok.decode(row).strip())
+    return [" ".join(p for p in clip if p) for clip in parts]
+
+
+@torch.no_grad()
+def decode_windows(model: Seq2SeqDecoder, audio_tok: AudioTokenizer, windows: Sequence[Tensor], *,
+                   keys: Sequence[str] | None = None, batch_size: int = 16, beam_size: int = 1,
+                   length_penalty: float = 1.0, **guards: Any) -> list[list[int]]:
+    """Waveforms of at most the tokenizer's max_seconds -> the generated ids of each (``decode_batch``), decoded
+    in batches of ``batch_size`` sorted by length."""
+    keys = list(keys) if keys is not None else [str(i) for i in range(len(windows))]
+    tokens = [audio_tok.encode((w, audio_tok.sample_rate), key=k).tokens for w, k in zip(windows, keys)]
+    order = sorted(range(len(tokens)), key=lambda i: tokens[i].shape[0])
+    out: list[list[int]] = [[] for _ in windows]
     dev = next(model.parameters()).device
     for lo in range(0, len(order), batch_size):
-        chunk = [items[i] for i in order[lo:lo + batch_size]]
+        chunk = order[lo:lo + batch_size]
         # Whisper's front-end makes every window 1,500 tokens: rounding up to 8 would add 4 masked tokens a row
-        audio, mask = pad_audio([it[2] for it in chunk], 1 if audio_tok.frontend == "whisper" else 8)
-        out = transcribe_batch(model, text_tok, audio.to(dev), mask.to(dev), beam_size=beam_size,
-                               length_penalty=length_penalty, **guards)
-        texts.update({(c, w): s for (c, w, _), s in zip(chunk, out)})
-    result = []
-    for c in range(len(waves)):
-        parts = [texts[(cc, w)].strip() for (cc, w) in sorted(k for k in texts if k[0] == c)]
-        result.append(" ".join(p for p in parts if p))
-    return result
+        audio, mask = pad_audio([tokens[i] for i in chunk], 1 if audio_tok.frontend == "whisper" else 8)
+        rows = decode_batch(model, audio.to(dev), mask.to(dev), beam_size=beam_size, length_penalty=length_penalty,
+                            **guards)
+        for i, row in zip(chunk, rows):
+            out[i] = row
+    return out
+
+
+@torch.no_grad()
+def transcribe_timestamp_tokens(model: SpeechRecognizer, audio_tok: AudioTokenizer, text_tok: TextTokenizer,
+                                waves: Sequence[Tensor], *, keys: Sequence[str] | None = None, batch_size: int = 16,
+                                beam_size: int = 1, length_penalty: float = 1.0, window_seconds: float | None = None,
+                                words: bool = True, keep_alignment: bool = False, **guards: Any) -> list[Any]:
+    """Whisper's segments: every file cut by ``split_windows`` (as ``transcribe_waveforms``), each window decoded
+    in timestamp mode (``SpeechRecognizer.timestamp_mode``), its tokens turned into segments with absolute times
+    (``timestamp_segments``) -> one ``omni.timestamps.TimedTranscript`` (method "tokens") per file. With
+    ``words``, word times inside a segment come from cross-attention (``omni.timestamps.time_windows``,
+    "attention": the text teacher-forced after the <|notimestamps|> prompt, as whisper's word timestamps do),
+    clamped to their segment."""
+    from omni.timestamps import TimedSegment, TimedTranscript, time_windows, token_char_ends, transcript_words
+
+    mode = model.timestamp_mode()
+    keys = list(keys) if keys is not None else [str(i) for i in range(len(waves))]
+    window = window_seconds or audio_tok.max_seconds or 30.0
+    sr = audio_tok.sample_rate
+    cut: list[tuple[int, Tensor, float]] = []  # (file, window waveform, offset seconds)
+    for c, wave in enumerate(waves):
+        cut.extend((c, wave[a:b], a / sr) for a, b in split_windows(wave, sr, window))
+    ids = decode_windows(mode, audio_tok, [w for _, w, _ in cut], keys=[f"{keys[c]}@{o:.2f}s" for c, _, o in cut],
+                         batch_size=batch_size, beam_size=beam_size, length_penalty=length_penalty, **guards)
+    pieces = [timestamp_segments(row, mode.timestamp_begin, offset=o, duration=w.shape[0] / sr)
+              for row, (_, w, o) in zip(ids, cut)]
+    texts = [text_tok.decode([i for _, _, body in p for i in body]) for p in pieces]
+    timed = (time_windows(model, audio_tok, text_tok, [w for _, w, _ in cut], texts, [o for _, _, o in cut],
+                          method="attention", batch_size=batch_size, keep_alignment=keep_alignment)
+             if words else [([], None)] * len(cut))
+    per_file: list[list[TimedSegment]] = [[] for _ in waves]
+    for (c, _, _), p, text, (timings, _) in zip(cut, pieces, texts, timed):
+        ends = token_char_ends(text_tok, [i for _, _, b in p for i in b])
+        starts = [a for _, a, _ in transcript_words(text)]
+        if len(starts) != len(timings):  # words timed from another reading of the text: none rather than wrong
+            starts, timings = [], []
+        n = 0
+        for start, end, b in p:
+            lo, n = (ends[n - 1] if n else 0), n + len(b)
+            # a word belongs to the segment its first character is in, and is kept inside it
+            inside = tuple(replace(w, start=min(max(w.start, start), end), end=min(max(w.end, start), end))
+                           for w, a in zip(timings, starts) if lo <= a < ends[n - 1])
+            if text_tok.decode(b).strip():
+                per_file[c].append(TimedSegment(start, end, text_tok.decode(b).strip(), inside))
+    return [TimedTranscript(" ".join(t.strip() for (cc, _, _), t in zip(cut, texts) if cc == c and t.strip()),
+                            per_file[c], "tokens", wave.shape[0] / sr,
+                            [a for (cc, _, _), (_, a) in zip(cut, timed) if cc == c and a is not None])
+            for c, wave in enumerate(waves)]
 
 
 def load_recognizer(checkpoint: str | os.PathLike, device: str | torch.device | None = None
                     ) -> tuple[SpeechRecognizer, AudioTokenizer, TextTokenizer]:
-    """The exported model (recipes/whisper.py writes runs/whisper/final) and its tokenizers."""
-    from omni.export import load_pretrained, load_tokenizers
+    """The exported model (recipes/whisper.py writes runs/whisper/final) and its tokenizers. A converted Whisper's
+    alignment heads (config "alignment_heads", [layer, head] pairs) become ``model.alignment_heads``: the
+    cross-attention heads ``omni.timestamps`` times words with (None: its default heads)."""
+    from omni.export import load_config, load_pretrained, load_tokenizers
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     model = load_pretrained(checkpoint, device=device)
     toks = load_tokenizers(checkpoint)
     if not isinstance(model, SpeechRecognizer) or "audio" not in toks or "text" not in toks:
         raise ValueError(f"{checkpoint}: not a speech recognition export (see recipes/whisper.py)")
+    model.alignment_heads = load_config(checkpoint).get("alignment_heads")
     return model, toks["audio"], toks["text"]
 
 
@@ -513,13 +677,19 @@ def transcribe_files(checkpoint: str | os.PathLike, files: Sequence[str | os.Pat
     Every file is read and checked first, so a bad file fails before any decoding, naming the file; with
     ``return_exceptions`` its exception takes its place in the result instead and the other files are
     transcribed (the export's own errors raise either way). One text per file, or with ``timestamps`` one
-    ``omni.timestamps.TimedTranscript`` (word times; ``timing``: options of ``transcribe_timed``)."""
+    ``omni.timestamps.TimedTranscript`` (word times; ``timing``: options of ``transcribe_timed``; its
+    ``method="tokens"``: a converted Whisper's segments from its own timestamp tokens,
+    ``transcribe_timestamp_tokens``, with ``keep_alignment`` its only other option)."""
     for option, value in (("beam_size", beam_size), ("batch_size", batch_size), ("max_new_tokens", max_new_tokens)):
         if value < 1:
             raise ValueError(f"{option} must be >= 1, got {value}")
     if not math.isfinite(length_penalty):
         raise ValueError(f"length_penalty must be a finite number, got {length_penalty}")
     model, audio_tok, text_tok = _recognizer(checkpoint, device)
+    tokens = timestamps and (timing or {}).get("method") == "tokens"
+    if tokens and getattr(model, "timestamp_begin", None) is None:  # before any file is read
+        raise ValueError(f"{os.fspath(checkpoint)}: timestamps from tokens need a converted Whisper (its timestamp "
+                         "tokens <|0.00|> .. <|30.00|> and prompt); time this export with ctc or attention")
     results: list[Any] = []
     waves: dict[int, Tensor] = {}
     for i, f in enumerate(files):
@@ -532,7 +702,10 @@ def transcribe_files(checkpoint: str | os.PathLike, files: Sequence[str | os.Pat
             results.append(exc)
     if waves:
         run = transcribe_waveforms
-        if timestamps:
+        if tokens:
+            run = functools.partial(transcribe_timestamp_tokens,
+                                    **{k: v for k, v in (timing or {}).items() if k == "keep_alignment"})
+        elif timestamps:
             from omni.timestamps import transcribe_timed
 
             run = functools.partial(transcribe_timed, **(timing or {}))
@@ -598,4 +771,6 @@ __all__ = [
     "beam_search", "build_speech_recognizer", "ctc_greedy_decode", "ctc_labels", "edit_distance", "error_counts",
     "error_rates", "greedy_decode", "load_recognizer", "normalize_text", "pad_audio", "read_audio_file",
     "speech_example", "speech_loss", "split_windows", "transcribe_batch", "transcribe_files", "transcribe_waveforms",
+    "MAX_INITIAL_TIMESTAMP", "TIMESTAMP_SECONDS", "TimestampMode", "decode_batch", "decode_windows",
+    "timestamp_segments", "transcribe_timestamp_tokens",
 ]

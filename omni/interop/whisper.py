@@ -44,7 +44,11 @@ multilingual), Whisper's audio front-end with n_mels (80; 128 for large-v3). Pro
 models [<|startoftranscript|>, <|notimestamps|>]. Decoding rules (export config "decoding", used by omni
 transcribe): at most n_text_ctx // 2 tokens (224), no repetition guard or duration cap (whisper.decode has
 neither), Whisper's suppress_tokens "-1" (``suppress_tokens``) and suppress-blank (" " and eot first).
-Timestamps are not predicted (<|notimestamps|>). HF's dropout (also on the embeddings) is not carried: dropout 0.
+Timestamps are not predicted (<|notimestamps|>) unless asked for: ``SpeechRecognizer.timestamp_mode()`` (``omni
+transcribe --timestamps tokens``) decodes as whisper.decode(without_timestamps=False) does, the prompt without
+<|notimestamps|>, the rules above and then omni.decoding.TimestampRules (Whisper's ApplyTimestampRules,
+max_initial_timestamp 1.0 s); the export is the same either way. HF's dropout (also on the embeddings) is not
+carried: dropout 0.
 
 Refused, naming it: another model_type, activation other than gelu, scale_embedding, an untied proj_out, encoder
 and decoder widths that differ, missing or misshapen tensors (by key); on the way back a model without the
