@@ -2,7 +2,8 @@
 
 Top: the file's log-mel spectrogram with each word's span marked and labelled. Bottom, on the same time axis:
 the alignment matrix of every window at its offset in the file (CTC: the posterior of each transcript byte per
-frame; attention: the decoder's averaged, standardised cross-attention per text token), rows = the transcript's
+frame; attention: the decoder's averaged, standardised cross-attention per text token, or for a multitask
+export's prefix-LM transcriber its text-to-audio self-attention, read the same way), rows = the transcript's
 units in order, with the forced-alignment / DTW path drawn over it. matplotlib is imported only here, on use
 (the ``viz`` extra).
 """
@@ -72,7 +73,10 @@ def alignment_png(wave: Tensor, sample_rate: int, transcript: TimedTranscript, t
         bottom.set_ylim(row - 0.5, -0.5)
     if labels:  # one tick per word, at its first unit: every byte / token would be unreadable
         bottom.set_yticks([r for r, _ in labels], [s for _, s in labels], fontsize=7)
-    bottom.set_ylabel("transcript bytes (CTC)" if transcript.method == "ctc" else "text tokens")
+    kinds = {w.method for w in transcript.windows}
+    bottom.set_ylabel("transcript bytes (CTC)" if kinds == {"ctc"} else
+                      "text tokens (text-to-audio self-attention)" if kinds == {"self-attention"} else
+                      "text tokens (cross-attention)" if kinds == {"attention"} else "text tokens")
     bottom.set_xlabel("seconds")
     bottom.set_xlim(0, seconds)
     fig.tight_layout()
@@ -88,7 +92,9 @@ def word_rows(units: list[str]) -> list[tuple[int, str]]:
     for u, text in enumerate(units):
         if text == " ":
             continue
-        if not rows or units[u - 1] == " " or text.startswith(" "):
+        if text == "<eos>":  # the attention row predicting the end: no part of the last word
+            rows.append((u, text))
+        elif not rows or units[u - 1] == " " or text.startswith(" "):
             rows.append((u, text.strip()))
         else:
             rows[-1] = (rows[-1][0], rows[-1][1] + text)

@@ -229,7 +229,6 @@ def _transcribe(args: argparse.Namespace) -> int:
     from omni.speech import transcribe_files
     from omni.transcript_formats import output_paths, render, transcript_json, write_atomic
 
-    timed_only = args.format in ("srt", "vtt") or args.alignment is not None or args.timestamps != "auto"
     if args.format in ("srt", "vtt") and len(args.files) > 1 and args.output_dir is None:
         raise UsageError(f"--format {args.format} is one document per file: give --output-dir DIR for "
                          f"{len(args.files)} files")
@@ -255,14 +254,14 @@ def _transcribe(args: argparse.Namespace) -> int:
         from omni.export import load_config
 
         config = load_config(checkpoint)
-        recognizer = config.get("builder") == "omni.speech:build_speech_recognizer"  # cross-attention, maybe CTC
-        if timed_only and not recognizer:
-            what = ", ".join(o for o, on in (("--format " + args.format, args.format in ("srt", "vtt")),
-                                            ("--alignment", args.alignment is not None),
-                                            ("--timestamps " + args.timestamps, args.timestamps != "auto")) if on)
-            raise UsageError(f"{what} needs word timestamps, which only a speech recognizer export "
-                             f"(recipes/whisper.py) gives; {checkpoint} is {_fits(config)[0]}")
-        timed = recognizer and (args.format != "txt" or args.alignment is not None)  # txt alone needs no times
+        # _check_export let through a speech recognizer (cross-attention, maybe CTC) or a multitask export's
+        # transcribe task (builder "omni": a prefix-LM, timed by its text-to-audio self-attention)
+        prefix_lm = config.get("builder") == "omni"
+        timed = args.format != "txt" or args.alignment is not None  # txt alone needs no times
+        if prefix_lm and args.timestamps not in ("auto", "attention"):
+            raise UsageError(f"--timestamps {args.timestamps}: {checkpoint} is {_fits(config)[0]}, whose prefix-LM "
+                             "transcriber is timed by its text-to-audio attention: use --timestamps attention (or "
+                             "auto)")
         if args.timestamps == "ctc" and not config.get("ctc"):
             raise UsageError(f"--timestamps ctc: {checkpoint} has no CTC head (trained with ctc_weight=0); "
                              "use --timestamps attention")
@@ -281,21 +280,26 @@ def _transcribe(args: argparse.Namespace) -> int:
                 if not isinstance(result, Exception):
                     pictures[f].parent.mkdir(parents=True, exist_ok=True)
                     write_alignment_png(pictures[f], read_audio_file(f, sr), sr, result, title=f"{f}: {result.text}")
-        return results
+        # (file, result) per readable file: its json entry names its picture
+        return [r if isinstance(r, Exception) else (f, r) for f, r in zip(args.files, results)]
 
-    def entry(result: Any) -> dict[str, Any]:
-        return transcript_json(result) if timed else {"text": result}
+    def entry(item: tuple[str, Any]) -> dict[str, Any]:
+        f, result = item
+        row = transcript_json(result) if timed else {"text": result}
+        if f in pictures:
+            row["alignment"] = str(pictures[f])
+        return row
 
-    def save(f: str, result: Any) -> None:
+    def save(f: str, item: tuple[str, Any]) -> None:
         if args.output_dir is not None:
             outputs[f].parent.mkdir(parents=True, exist_ok=True)
-            body = render(result, args.format) if args.format != "json" else \
-                json.dumps({"file": f, **entry(result)}, indent=2, ensure_ascii=False) + "\n"
+            body = render(item[1], args.format) if args.format != "json" else \
+                json.dumps({"file": f, **entry(item)}, indent=2, ensure_ascii=False) + "\n"
             print(write_atomic(outputs[f], body))
         else:  # one srt / vtt document on stdout
-            sys.stdout.write(render(result, args.format))
+            sys.stdout.write(render(item[1], args.format))
 
-    return _run_on_files(args, args.files, run, text=lambda r: r.text if timed else r, entry=entry,
+    return _run_on_files(args, args.files, run, text=lambda r: r[1].text if timed else r[1], entry=entry,
                          emit=save if args.output_dir is not None or args.format in ("srt", "vtt") else None)
 
 
@@ -399,7 +403,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "instead of stdout")
     p.add_argument("--alignment", metavar="DIR", default=None,
                    help="also write DIR/<name>.png per file: the log-mel with the words' spans over the alignment "
-                        "the times come from (CTC posteriors or cross-attention, with the path) (needs matplotlib: "
+                        "the times come from (CTC posteriors, cross-attention, or a multitask export's text-to-audio "
+                        "self-attention, with the path); --format json names it (needs matplotlib: "
                         "pip install -e \".[viz]\")")
     p.add_argument("--timestamps", choices=("auto", "ctc", "attention", "tokens"), default="auto",
                    help="where word times come from: ctc: forced alignment on the encoder's CTC head; attention: "

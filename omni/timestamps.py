@@ -13,7 +13,15 @@ Two sources, chosen per export (``method="auto"``):
 * ``attention`` (exports without a CTC head): Whisper's way. The transcript is teacher-forced through the
   decoder with ``omni.introspect.capture`` recording cross-attention; the chosen heads' maps are standardised
   per head over the text tokens, median-filtered along time, averaged, and a monotonic DTW path through their
-  negation gives each text token its frames (``attention_alignment``, ``attention_word_timings``).
+  negation gives each text token its frames (``attention_alignment``, ``attention_word_timings``). A converted
+  Whisper's alignment heads (export config "alignment_heads", [layer, head] pairs: the checkpoint's own list, see
+  omni/interop/whisper.py) are used where known, else every head of the second half of the decoder's layers.
+* ``attention`` for the prefix-LM transcriber of a multitask export (``omni.multitask.PrefixLMTranscriber``:
+  [audio tokens, bos, <|transcribe|>, text] in one sequence on the shared trunk, no cross-attention): the same
+  DTW over the trunk's SELF-attention of the text rows to the audio columns (``prefix_lm_attention``), captured
+  during one teacher-forced packed forward of [audio, prompt, transcript, eos]. Each row is renormalised over
+  the audio columns first: a text token also attends to the text before it, and how much it does so varies from
+  token to token, which would otherwise weigh the rows unequally in the standardisation.
 
 Times: audio token ``i`` is centred on mel frame ``stride * i``, i.e. on ``i / tokens_per_second`` seconds
 (the STFT is centred), so frame ``i`` stands for ``[(i - 0.5) / tps, (i + 0.5) / tps)``; a window cut from a
@@ -418,22 +426,29 @@ def token_char_ends(text_tok: Any, ids: Sequence[int]) -> list[int]:
 
 def attention_word_timings(cross: Sequence[Tensor], token_probs: Sequence[float], text_tok: Any, ids: Sequence[int],
                            n_frames: int, tokens_per_second: float, *, offset: float = 0.0,
-                           layers: Sequence[int] | None = None, medfilt_width: int = 7,
-                           keep_alignment: bool = False) -> tuple[list[WordTiming], WindowAlignment | None]:
+                           layers: Sequence[int] | None = None, heads: Sequence[Sequence[int]] | None = None,
+                           medfilt_width: int = 7, keep_alignment: bool = False,
+                           label: str = "attention") -> tuple[list[WordTiming], WindowAlignment | None]:
     """One window: the decoder's cross-attention (per layer (H, P + n + 1, S) over the teacher-forced input
     [prompt (P), ids (n), eos]) -> its words with absolute times. A text token's row is the query that
     predicts it (the row before it), as in Whisper; the row predicting eos takes what follows the last word.
-    ``layers``: the decoder layers whose heads are used (default: the second half, Whisper's choice when no
-    alignment heads are known). A word's probability is the mean of its tokens' teacher-forced probabilities."""
+    ``heads``: the (layer, head) pairs used (a Whisper checkpoint's alignment heads); else every head of
+    ``layers`` (default: the second half, Whisper's choice when no alignment heads are known). A word's
+    probability is the mean of its tokens' teacher-forced probabilities. ``label``: the alignment's method name
+    for the picture ("attention": cross-attention; "self-attention": a prefix-LM's text-to-audio attention)."""
     text = text_tok.decode(list(ids))
     words = transcript_words(text)
     if not words or not ids:
         return [], None
     L = len(cross)
-    layers = list(range(L // 2, L)) if layers is None else list(layers)
     P = cross[0].shape[1] - len(ids) - 1
     rows = slice(P - 1, P + len(ids))  # queries predicting ids[0] .. eos
-    weights = torch.cat([cross[i][:, rows, :n_frames] for i in layers], 0)
+    if heads is not None:
+        pairs = check_alignment_heads(heads, L, cross[0].shape[0])
+        weights = torch.stack([cross[i][h, rows, :n_frames] for i, h in pairs], 0)
+    else:
+        layers = list(range(L // 2, L)) if layers is None else list(layers)
+        weights = torch.cat([cross[i][:, rows, :n_frames] for i in layers], 0)
     matrix, path_rows, path_cols = attention_alignment(weights, medfilt_width)
     spans = row_spans(path_rows, path_cols, len(ids) + 1)
     ends = token_char_ends(text_tok, ids)
@@ -452,8 +467,58 @@ def attention_word_timings(cross: Sequence[Tensor], token_probs: Sequence[float]
     if keep_alignment:
         units = [text_tok.decode([i]) for i in ids] + ["<eos>"]
         alignment = WindowAlignment(offset, tokens_per_second, units, matrix,
-                                    np.stack([path_cols, path_rows], 1), "attention")
+                                    np.stack([path_cols, path_rows], 1), label)
     return out, alignment
+
+
+def check_alignment_heads(heads: Sequence[Sequence[int]], n_layers: int, n_heads: int) -> list[tuple[int, int]]:
+    """(layer, head) pairs as ints, each inside a decoder of ``n_layers`` x ``n_heads``; ValueError for an empty
+    list or a pair outside it (heads of another model size)."""
+    pairs = [(int(p[0]), int(p[1])) for p in heads]
+    if not pairs:
+        raise ValueError("alignment_heads is empty: give [layer, head] pairs, or none to use the default heads")
+    bad = [p for p in pairs if not (0 <= p[0] < n_layers and 0 <= p[1] < n_heads)]
+    if bad:
+        raise ValueError(f"alignment heads {bad} lie outside this decoder ({n_layers} layers x {n_heads} heads)")
+    return pairs
+
+
+@torch.no_grad()
+def prefix_lm_attention(model: Any, audio_tokens: Tensor, ids: Sequence[int],
+                        layers: Sequence[int] | None = None) -> tuple[list[Tensor], list[float]]:
+    """A prefix-LM transcriber (``omni.multitask.PrefixLMTranscriber``), one window's audio tokens (S, F) and the
+    transcript's ids -> (per chosen trunk layer the text-to-audio self-attention (H, P + n + 1, S), each row
+    renormalised over the audio; the teacher-forced probability of each id).
+
+    One packed forward of the document [audio, prompt (P), ids (n), eos], as training packs it, recorded by
+    ``omni.introspect.capture``: rows are the text queries, columns the audio keys (``segment_attention``), the
+    layout ``attention_word_timings`` reads (row P - 1 + k predicts ids[k]). ``layers``: trunk layers recorded
+    (default: the second half, as for cross-attention); only those take the reference attention path."""
+    from omni.introspect import capture, segment_attention
+    from omni.model import OmniModel
+    from omni.packing import Packer
+    from omni.segment import Sample, Segment
+
+    trunk = model.omni.trunk
+    L = len(trunk.blocks)
+    layers = list(range(L // 2, L)) if layers is None else list(layers)
+    names = [f"trunk.blocks.{i}.attn" for i in layers]
+    dev = next(model.parameters()).device
+    text = torch.tensor([*model.prompt, *ids, model.eos_id], dtype=torch.int64)
+    n = int(audio_tokens.shape[0])
+    sample = Sample([Segment("audio", audio_tokens.detach().cpu(), torch.arange(n), model.audio.role),
+                     Segment("text", text, torch.arange(len(text)), model.text.role)], key="align")
+    batch = Packer()([sample]).to(dev)
+    with capture(model.omni, hidden_states=False, layers=names) as rec:
+        hidden = model.omni(batch)
+    probs = model.head(OmniModel.gather(hidden, batch, "text")).float().softmax(-1).cpu()  # (P + n + 1, V)
+    P = len(model.prompt)
+    token_probs = [float(probs[P - 1 + k, tok]) for k, tok in enumerate(ids)]
+    maps = []
+    for name in names:
+        a = segment_attention(rec.attention[name], batch, 0, "text", "audio").float().cpu()  # (H, P + n + 1, S)
+        maps.append(a / a.sum(-1, keepdim=True).clamp_min(1e-12))
+    return maps, token_probs
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -494,14 +559,27 @@ def text_ids(text_tok: Any, text: str) -> list[int]:
     return ids
 
 
+def is_prefix_lm(model: Any) -> bool:
+    """A multitask export's prefix-LM transcriber (``omni.multitask.PrefixLMTranscriber``)?"""
+    from omni.multitask import PrefixLMTranscriber
+
+    return isinstance(model, PrefixLMTranscriber)
+
+
 def timing_method(model: Any, method: Method = "auto") -> str:
-    """"ctc" or "attention" for this model (``auto``: CTC where it has a CTC head); ValueError when the model
-    cannot be timed that way (the multitask export's prefix-LM transcriber has no cross-attention)."""
+    """"ctc" or "attention" for this model (``auto``: CTC where it has a CTC head; a prefix-LM transcriber:
+    attention, its text-to-audio self-attention); ValueError when the model cannot be timed that way."""
     from omni.speech import SpeechRecognizer
 
+    if is_prefix_lm(model):
+        if method not in ("auto", "attention"):
+            raise ValueError(f"a multitask export's prefix-LM transcriber is timed by its text-to-audio attention "
+                             f"(--timestamps attention or auto), not {method!r}")
+        return "attention"
     if not isinstance(model, SpeechRecognizer):
-        raise ValueError("word timestamps need a speech recognition export (recipes/whisper.py): this model "
-                         f"({type(model).__name__}) has neither a CTC head nor decoder cross-attention")
+        raise ValueError("word timestamps need a speech recognition export (recipes/whisper.py or a multitask "
+                         f"export's transcribe task): this model ({type(model).__name__}) has neither a CTC head, "
+                         "decoder cross-attention nor a prefix-LM transcriber")
     if method == "auto":
         return "ctc" if model.ctc_head is not None else "attention"
     if method == "ctc" and model.ctc_head is None:
@@ -515,17 +593,35 @@ def timing_method(model: Any, method: Method = "auto") -> str:
 @torch.no_grad()
 def time_windows(model: Any, audio_tok: Any, text_tok: Any, windows: Sequence[Tensor], texts: Sequence[str],
                  offsets: Sequence[float], *, method: Method = "auto", batch_size: int = 16, refine: bool = True,
-                 keep_alignment: bool = False) -> list[tuple[list[WordTiming], WindowAlignment | None]]:
+                 keep_alignment: bool = False, alignment_heads: Sequence[Sequence[int]] | None = None
+                 ) -> list[tuple[list[WordTiming], WindowAlignment | None]]:
     """Word timings of transcribed windows: waveforms (each at most the tokenizer's max_seconds), the text
-    decoded from each and its start in its file (seconds) -> per window (words, alignment or None)."""
+    decoded from each and its start in its file (seconds) -> per window (words, alignment or None).
+    ``alignment_heads``: the decoder's (layer, head) pairs for the cross-attention DTW; default the model's own
+    (``model.alignment_heads``: a converted Whisper's, set by ``omni.speech.load_recognizer``), else every head
+    of the second half of the layers. A prefix-LM
+    transcriber is timed one window at a time (``prefix_lm_attention``: its attention maps span the whole
+    document, audio included, so windows are not batched)."""
     from omni.introspect import capture
     from omni.speech import pad_audio
 
     how = timing_method(model, method)
+    if alignment_heads is None:
+        alignment_heads = getattr(model, "alignment_heads", None)
     dev = next(model.parameters()).device
     tps = audio_tok.tokens_per_second
     out: list[tuple[list[WordTiming], WindowAlignment | None]] = [([], None)] * len(windows)
     todo = [i for i, t in enumerate(texts) if transcript_words(t)]
+    if is_prefix_lm(model):
+        for i in todo:
+            tokens = audio_tok.encode((windows[i], audio_tok.sample_rate), key=str(i)).tokens
+            n = real_frames(windows[i].shape[0], audio_tok.sample_rate, tps, tokens.shape[0])
+            body = text_ids(text_tok, texts[i])
+            maps, p = prefix_lm_attention(model, tokens, body)
+            out[i] = attention_word_timings(maps, p, text_tok, body, n, tps, offset=offsets[i],
+                                            layers=range(len(maps)), keep_alignment=keep_alignment,
+                                            label="self-attention")
+        todo = []
     for lo in range(0, len(todo), batch_size):
         chunk = todo[lo:lo + batch_size]
         tokens = [audio_tok.encode((windows[i], audio_tok.sample_rate), key=str(i)).tokens for i in chunk]
@@ -557,7 +653,7 @@ def time_windows(model: Any, audio_tok: Any, text_tok: Any, windows: Sequence[Te
             body = full[len(prompt):-1]
             p = [float(probs[row, len(prompt) - 1 + k, tok]) for k, tok in enumerate(body)]
             out[i] = attention_word_timings([c[row, :, :len(full)].cpu() for c in cross], p, text_tok, body,
-                                            frames[row], tps, offset=offsets[i],
+                                            frames[row], tps, offset=offsets[i], heads=alignment_heads,
                                             keep_alignment=keep_alignment)
     for i, (words, alignment) in enumerate(out):  # frames are 20 ms: the last may reach past the audio's end
         end = offsets[i] + windows[i].shape[0] / audio_tok.sample_rate
@@ -569,10 +665,10 @@ def transcribe_timed(model: Any, audio_tok: Any, text_tok: Any, waves: Sequence[
                      keys: Sequence[str] | None = None, batch_size: int = 16, beam_size: int = 1,
                      length_penalty: float = 1.0, window_seconds: float | None = None, method: Method = "auto",
                      refine: bool = True, keep_alignment: bool = False, max_chars: int = 84, max_gap: float = 1.0,
-                     **guards: Any) -> list[TimedTranscript]:
+                     alignment_heads: Sequence[Sequence[int]] | None = None, **guards: Any) -> list[TimedTranscript]:
     """``omni.speech.transcribe_waveforms`` with word timestamps: every file is cut by ``split_windows`` (the
     same windows), each window transcribed and then timed (``time_windows``), its words offset by the window's
-    start; segments (``segment_words``) never cross a window cut."""
+    start; segments (``segment_words``) never cross a window cut. ``alignment_heads``: as ``time_windows``."""
     from omni.speech import split_windows, transcribe_waveforms
 
     keys = list(keys) if keys is not None else [str(i) for i in range(len(waves))]
@@ -586,7 +682,8 @@ def transcribe_timed(model: Any, audio_tok: Any, text_tok: Any, waves: Sequence[
                                  keys=[f"{keys[c]}@{off:.2f}s" for c, _, off in cut], batch_size=batch_size,
                                  beam_size=beam_size, length_penalty=length_penalty, window_seconds=window, **guards)
     timed = time_windows(model, audio_tok, text_tok, [w for _, w, _ in cut], texts, [o for _, _, o in cut],
-                         method=method, batch_size=batch_size, refine=refine, keep_alignment=keep_alignment)
+                         method=method, batch_size=batch_size, refine=refine, keep_alignment=keep_alignment,
+                         alignment_heads=alignment_heads)
     how = timing_method(model, method)
     result = []
     for c, wave in enumerate(waves):

@@ -172,6 +172,116 @@ def decoding_rules(text: TextTokenizer, n_text_ctx: int) -> dict[str, Any]:
 
 
 # ----------------------------------------------------------------------------------------------------
+# Alignment heads: the decoder's cross-attention heads whose maps follow the speech (word timestamps). Export config
+# "alignment_heads", [layer, head] pairs, read by omni.timestamps: from a HF directory's generation_config.json, or
+# for an openai .pt by the file's sha256 (released models only); written back to a HF generation_config.json, not to
+# a .pt (the format has no such field).
+
+# openai-whisper's released checkpoints: the sha256 of the .pt file (whisper._MODELS's download URLs name it)
+# -> (model name, whisper._ALIGNMENT_HEADS[name]: a gzip + base85 bool array (n_text_layer, n_text_head)). A copy,
+# so that converting needs neither the whisper package nor a download: the file's own hash names its model.
+OPENAI_CHECKPOINTS: dict[str, tuple[str, bytes]] = {
+    "d3dd57d32accea0b295c96e26691aa14d8822fac7d9d27d5dc00b4ca2826dd03": ("tiny.en", b"ABzY8J1N>@0{>%R00Bk>$p{7v037`oCl~+#00"),
+    "65147644a518d12f04e32d6f3b26facc3f8dd46e5390956a9424a650c0ce22b9": ("tiny", b"ABzY8bu8Lr0{>%RKn9Fp%m@SkK7Kt=7ytkO"),
+    "25a8566e1d0c1e2231d1c762132cd20e0f96a85d16145c3a00adf5d1ac670ead": ("base.en", b"ABzY8;40c<0{>%RzzG;p*o+Vo09|#PsxSZm00"),
+    "ed3a0b6b1c0edf879ad9b11b1af5a0e6ab5db9205f891f668f8b0e6c6326e34e": ("base", b"ABzY8KQ!870{>%RzyTQH3`Q^yNP!>##QT-<FaQ7m"),
+    "f953ad0fd29cacd07d5a9eda5624af0f6bcf2258be67c92b79389873d91e0872":
+        ("small.en", b"ABzY8>?_)10{>%RpeA61k&I|OI3I$65C{;;pbCHh0B{qLQ;+}v00"),
+    "9ecf779972d90ba49c06d968637d720dd632c55bbf19d441fb42bf17a411e794":
+        ("small", b"ABzY8DmU6=0{>%Rpa?J`kvJ6qF(V^F86#Xh7JUGMK}P<N0000"),
+    "d7440d1dc186f76616474e0ff0b3b6b879abc9d1a4926b7adfa41db2d497ab4f":
+        ("medium.en", b"ABzY8usPae0{>%R7<zz_OvQ{)4kMa0BMw6u5rT}kRKX;$NfYBv00*Hl@qhsU00"),
+    "345ae4da62f9b3d59415adc60127b97c714f32e89e936602e85993674d08dcb1":
+        ("medium", b"ABzY8B0Jh+0{>%R7}kK1fFL7w6%<-Pf*t^=N)Qr&0RR9"),
+    "e4b87e7e0bf463eb8e6956e646f1e277e901512310def2c24bf0e11bd3c28e9a":
+        ("large-v1", b"ABzY8r9j$a0{>%R7#4sLmoOs{s)o3~84-RPdcFk!JR<kSfC2yj"),
+    "81f7c96c852ee8fc832187b0132e569d6c3065a3252ed18e56effd0b6a73e524":
+        ("large-v2", b"ABzY8zd+h!0{>%R7=D0pU<_bnWW*tkYAhobTNnu$jnkEkXqp)j;w1Tzk)UH3X%SZd&fFZ2fC2yj"),
+    "e5b1a55b89c1367dacf97e3e19bfd829a01529dbfdeefa8caeb59b3f1b81dadb":
+        ("large-v3", b"ABzY8gWO1E0{>%R7(9S+Kn!D~%ngiGaR?*L!iJG9p-nab0JQ=-{D1-g00"),
+    "aff26ae408abcba5fbf8813c21e62b0941638c5f6eebfb145be0c9839262a19a":
+        ("large-v3-turbo", b"ABzY8j^C+e0{>%RARaKHP%t(lGR*)0g!tONPyhe`"),
+}
+GENERATION_CONFIG = "generation_config.json"  # HF: where "alignment_heads" ([layer, head] pairs) lives
+
+
+def decode_alignment_heads(dump: bytes, n_layers: int, n_heads: int) -> list[list[int]]:
+    """openai-whisper's alignment heads (gzip + base85 bool array, ``whisper._ALIGNMENT_HEADS``) -> [layer, head]
+    pairs in row-major order, HF's generation_config "alignment_heads" form."""
+    import base64
+    import gzip
+
+    import numpy as np
+
+    mask = np.frombuffer(gzip.decompress(base64.b85decode(dump)), dtype=bool)
+    if mask.size != n_layers * n_heads:
+        raise ConversionError(f"alignment heads of {mask.size} entries do not fit {n_layers} x {n_heads} heads")
+    return [[int(i), int(j)] for i, j in np.argwhere(mask.reshape(n_layers, n_heads))]
+
+
+def file_sha256(path: Path) -> str:
+    """The file's sha256 (hex), read in 16 MiB pieces."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while piece := f.read(1 << 24):
+            digest.update(piece)
+    return digest.hexdigest()
+
+
+def openai_model_name(path: Path) -> str | None:
+    """The released openai-whisper model this file is (``OPENAI_CHECKPOINTS``, by its sha256), else None."""
+    known = OPENAI_CHECKPOINTS.get(file_sha256(path))
+    return known[0] if known else None
+
+
+def openai_alignment_heads(path: Path, dims: Mapping[str, int]) -> list[list[int]] | None:
+    """The alignment heads of a released openai-whisper file (identified by its sha256), else None (a fine-tune
+    or any other file: no heads are known for it)."""
+    known = OPENAI_CHECKPOINTS.get(file_sha256(path))
+    return decode_alignment_heads(known[1], dims["n_text_layer"], dims["n_text_head"]) if known else None
+
+
+def hf_alignment_heads(src: Path, dims: Mapping[str, int]) -> list[list[int]] | None:
+    """The "alignment_heads" of a HF directory's generation_config.json, checked against the decoder's layers
+    and heads; None without the file or the key."""
+    import json
+
+    path = src / GENERATION_CONFIG
+    if not path.is_file():
+        return None
+    try:
+        heads = json.loads(path.read_text()).get("alignment_heads")
+    except (ValueError, AttributeError) as exc:
+        raise ConversionError(f"{path} is not a JSON object: {exc}") from exc
+    if heads is None:
+        return None
+    L, H = dims["n_text_layer"], dims["n_text_head"]
+    try:
+        pairs = [[int(layer), int(head)] for layer, head in heads]
+    except (TypeError, ValueError) as exc:
+        raise ConversionError(f"{path}: alignment_heads must be [layer, head] pairs, got {heads!r}") from exc
+    bad = [p for p in pairs if not (0 <= p[0] < L and 0 <= p[1] < H)]
+    if not pairs or bad:
+        raise ConversionError(f"{path}: alignment_heads {bad or heads} do not fit the decoder ({L} layers x {H} "
+                              "heads)")
+    return pairs
+
+
+def hf_generation_config(config: Mapping[str, Any], hf_config: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The generation_config.json ``write_hf`` writes for an export with alignment heads: the token ids of the HF
+    config (what HF derives from config.json without the file) and "alignment_heads"; None without alignment
+    heads (no file: HF derives its generation config from config.json, as before)."""
+    heads = config.get("alignment_heads")
+    if not heads:
+        return None
+    keys = ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id", "begin_suppress_tokens")
+    return {**{k: hf_config[k] for k in keys if hf_config.get(k) is not None},
+            "max_length": hf_config["max_target_positions"], "alignment_heads": [list(map(int, p)) for p in heads]}
+
+
+# ----------------------------------------------------------------------------------------------------
 # openai-whisper <-> omni (pure)
 
 
@@ -449,12 +559,17 @@ def _options(options: Mapping[str, Any], what: str) -> dict[str, Any]:
 
 
 def read_hf(src: Path, **options: Any) -> Export:
-    """A HF Whisper directory (config.json + model.safetensors or pytorch_model.bin) as an export."""
+    """A HF Whisper directory (config.json + model.safetensors or pytorch_model.bin) as an export; the alignment
+    heads of its generation_config.json, where it has them, go into the config ("alignment_heads")."""
     state_dict, hf_config = read_directory(src)
     try:
-        return from_hf(state_dict, hf_config, **_options(options, "Hugging Face Whisper checkpoints"))
+        config, sd, tokenizers = from_hf(state_dict, hf_config, **_options(options, "Hugging Face Whisper checkpoints"))
     except ConversionError as exc:
         raise ConversionError(f"{src}: {exc}") from exc
+    heads = hf_alignment_heads(Path(src), config["source"]["dims"])
+    if heads is not None:
+        config["alignment_heads"] = heads
+    return config, sd, tokenizers
 
 
 def write_hf(export: Path, out: Path, **options: Any) -> Path:
@@ -462,10 +577,13 @@ def write_hf(export: Path, out: Path, **options: Any) -> Path:
     save_pretrained does); ``WhisperForConditionalGeneration.from_pretrained(out)`` loads it."""
     _options({k: v for k, v in options.items() if k not in OPTIONS}, "writing Hugging Face Whisper")
     try:
-        hf_config, sd = to_hf(*read_export(export))
+        config, state_dict, tokenizers = read_export(export)
+        hf_config, sd = to_hf(config, state_dict, tokenizers)
     except ConversionError as exc:
         raise ConversionError(f"{export}: {exc}") from exc
-    return write_hf_files(out, hf_config, {k: v for k, v in sd.items() if k != PROJ_OUT})
+    generation = hf_generation_config(config, hf_config)  # the alignment heads, where the export has them
+    return write_hf_files(out, hf_config, {k: v for k, v in sd.items() if k != PROJ_OUT},
+                          **({GENERATION_CONFIG: generation} if generation else {}))
 
 
 def load_openai(src: Path) -> dict[str, Any]:
@@ -505,14 +623,22 @@ def read_openai(src: Path, **options: Any) -> Export:
     if not isinstance(sd, dict) or not all(isinstance(v, Tensor) for v in sd.values()):
         raise ConversionError(f"{src}: 'model_state_dict' is not a mapping of names to tensors")
     try:
-        return from_openai(sd, checkpoint["dims"], **_options(options, "openai-whisper checkpoints"))
+        config, state_dict, tokenizers = from_openai(sd, checkpoint["dims"],
+                                                     **_options(options, "openai-whisper checkpoints"))
     except ConversionError as exc:
         raise ConversionError(f"{src}: {exc}") from exc
+    # a released model's alignment heads, known by the file's sha256 (the .pt itself has no such field)
+    heads = openai_alignment_heads(src, config["source"]["dims"])
+    if heads is not None:
+        config["alignment_heads"] = heads
+    return config, state_dict, tokenizers
 
 
 def write_openai(export: Path, out: Path, **options: Any) -> Path:
     """An omni Whisper export -> an openai-whisper checkpoint ``out`` (a .pt / .pth path; any other path is made a
-    directory holding model.pt) that ``whisper.load_model(path)`` loads; -> the file's path."""
+    directory holding model.pt) that ``whisper.load_model(path)`` loads; -> the file's path. The export's
+    alignment heads are not written: the .pt format has no field for them (whisper.load_model takes them from its
+    own table by model name; ``model.set_alignment_heads`` sets them)."""
     _options({k: v for k, v in options.items() if k not in OPTIONS}, "writing openai-whisper")
     try:
         dims, sd = to_openai(*read_export(export))
@@ -531,6 +657,7 @@ def write_openai(export: Path, out: Path, **options: Any) -> Path:
 register_hf_family(HFFamily(MODEL_TYPE, read_hf, write_hf, builders=(BUILDER,)))
 register_converter(Converter(OPENAI_FORMAT, recognises_openai, read_openai, write_openai))
 
-__all__ = ["from_hf", "from_openai", "hf_dims", "hf_to_openai_name", "non_speech_tokens", "openai_shapes",
-           "openai_to_hf_name", "prompt_names", "read_hf", "read_openai", "suppress_tokens", "text_tokenizer",
-           "to_hf", "to_openai", "write_hf", "write_openai"]
+__all__ = ["OPENAI_CHECKPOINTS", "decode_alignment_heads", "from_hf", "from_openai", "hf_alignment_heads", "hf_dims",
+           "hf_generation_config", "hf_to_openai_name", "non_speech_tokens", "openai_alignment_heads",
+           "openai_model_name", "openai_shapes", "openai_to_hf_name", "prompt_names", "read_hf", "read_openai",
+           "suppress_tokens", "text_tokenizer", "to_hf", "to_openai", "write_hf", "write_openai"]
