@@ -86,8 +86,8 @@ class CausalLM(Protocol):
 
 
 class LogitFilter(Protocol):
-    """A decoding rule on the logits before the choice (Whisper's suppress-blank / suppressed tokens / timestamp
-    rules would be more of these)."""
+    """A decoding rule on the logits before the choice (omni.decoding: MinNewTokens, SuppressTokens,
+    SuppressAtStart, TimestampRules, the sampler's temperature / top-k)."""
 
     def __call__(self, logits: Tensor, tokens: Tensor, t: Tensor) -> Tensor:
         """logits (N, V) for token ``t`` (a () long device tensor) of rows whose tokens so far are tokens[:, :t]
