@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from omni.interop import convert, read_model, to_peer
+from omni.files import sha256_file
 from omni.interop import whisper as interop
 from omni.speech import load_recognizer
 from omni.timestamps import attention_word_timings, check_alignment_heads, text_ids, time_windows
@@ -96,11 +97,13 @@ def test_openai_file_named_by_its_sha256(tmp_path, monkeypatch):
     whisper = pytest.importorskip("whisper")
     from test_interop_whisper import openai_model
 
-    # the vendored table is openai-whisper's: every released file's hash names its model and heads
+    # every released file's hash names its model and heads
+    table = interop.openai_checkpoints()
+    assert len(table) >= 12
     for name, url in whisper._MODELS.items():
         sha = url.split("/")[-2]
-        assert interop.OPENAI_CHECKPOINTS[sha][1] == whisper._ALIGNMENT_HEADS[name]
-        assert interop.OPENAI_CHECKPOINTS[sha][0] == name or name in ("large", "turbo")  # aliases of the same file
+        assert table[sha][1] == whisper._ALIGNMENT_HEADS[name]
+        assert table[sha][0] == name or name in ("large", "turbo")  # aliases of the same file
     tiny = whisper.model.Whisper(whisper.model.ModelDimensions(**dict(DIMS, n_audio_ctx=4, n_vocab=100, n_text_ctx=8,
                                                                        n_text_layer=4, n_text_head=6,
                                                                        n_audio_state=24, n_text_state=24)))
@@ -114,6 +117,6 @@ def test_openai_file_named_by_its_sha256(tmp_path, monkeypatch):
     mask = np.zeros((2, 4), dtype=bool)
     mask[tuple(np.array(HEADS).T)] = True
     dump = base64.b85encode(gzip.compress(mask.tobytes()))
-    monkeypatch.setitem(interop.OPENAI_CHECKPOINTS, interop.file_sha256(path), ("fake", dump))
+    monkeypatch.setattr(interop, "openai_checkpoints", lambda: {sha256_file(path): ("fake", dump)})
     assert interop.openai_model_name(path) == "fake"
     assert read_model(path)[0]["alignment_heads"] == HEADS

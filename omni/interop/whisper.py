@@ -65,6 +65,7 @@ from typing import Any, Mapping
 import torch
 from torch import Tensor
 
+from omni.files import sha256_file
 from omni.interop import (ConversionError, Converter, Export, check_tensors, names, read_directory, read_export,
                           register_converter)
 from omni.interop.hf import HFFamily, register_hf_family, write_hf_files
@@ -177,31 +178,6 @@ def decoding_rules(text: TextTokenizer, n_text_ctx: int) -> dict[str, Any]:
 # for an openai .pt by the file's sha256 (released models only); written back to a HF generation_config.json, not to
 # a .pt (the format has no such field).
 
-# openai-whisper's released checkpoints: the sha256 of the .pt file (whisper._MODELS's download URLs name it)
-# -> (model name, whisper._ALIGNMENT_HEADS[name]: a gzip + base85 bool array (n_text_layer, n_text_head)). A copy,
-# so that converting needs neither the whisper package nor a download: the file's own hash names its model.
-OPENAI_CHECKPOINTS: dict[str, tuple[str, bytes]] = {
-    "d3dd57d32accea0b295c96e26691aa14d8822fac7d9d27d5dc00b4ca2826dd03": ("tiny.en", b"ABzY8J1N>@0{>%R00Bk>$p{7v037`oCl~+#00"),
-    "65147644a518d12f04e32d6f3b26facc3f8dd46e5390956a9424a650c0ce22b9": ("tiny", b"ABzY8bu8Lr0{>%RKn9Fp%m@SkK7Kt=7ytkO"),
-    "25a8566e1d0c1e2231d1c762132cd20e0f96a85d16145c3a00adf5d1ac670ead": ("base.en", b"ABzY8;40c<0{>%RzzG;p*o+Vo09|#PsxSZm00"),
-    "ed3a0b6b1c0edf879ad9b11b1af5a0e6ab5db9205f891f668f8b0e6c6326e34e": ("base", b"ABzY8KQ!870{>%RzyTQH3`Q^yNP!>##QT-<FaQ7m"),
-    "f953ad0fd29cacd07d5a9eda5624af0f6bcf2258be67c92b79389873d91e0872":
-        ("small.en", b"ABzY8>?_)10{>%RpeA61k&I|OI3I$65C{;;pbCHh0B{qLQ;+}v00"),
-    "9ecf779972d90ba49c06d968637d720dd632c55bbf19d441fb42bf17a411e794":
-        ("small", b"ABzY8DmU6=0{>%Rpa?J`kvJ6qF(V^F86#Xh7JUGMK}P<N0000"),
-    "d7440d1dc186f76616474e0ff0b3b6b879abc9d1a4926b7adfa41db2d497ab4f":
-        ("medium.en", b"ABzY8usPae0{>%R7<zz_OvQ{)4kMa0BMw6u5rT}kRKX;$NfYBv00*Hl@qhsU00"),
-    "345ae4da62f9b3d59415adc60127b97c714f32e89e936602e85993674d08dcb1":
-        ("medium", b"ABzY8B0Jh+0{>%R7}kK1fFL7w6%<-Pf*t^=N)Qr&0RR9"),
-    "e4b87e7e0bf463eb8e6956e646f1e277e901512310def2c24bf0e11bd3c28e9a":
-        ("large-v1", b"ABzY8r9j$a0{>%R7#4sLmoOs{s)o3~84-RPdcFk!JR<kSfC2yj"),
-    "81f7c96c852ee8fc832187b0132e569d6c3065a3252ed18e56effd0b6a73e524":
-        ("large-v2", b"ABzY8zd+h!0{>%R7=D0pU<_bnWW*tkYAhobTNnu$jnkEkXqp)j;w1Tzk)UH3X%SZd&fFZ2fC2yj"),
-    "e5b1a55b89c1367dacf97e3e19bfd829a01529dbfdeefa8caeb59b3f1b81dadb":
-        ("large-v3", b"ABzY8gWO1E0{>%R7(9S+Kn!D~%ngiGaR?*L!iJG9p-nab0JQ=-{D1-g00"),
-    "aff26ae408abcba5fbf8813c21e62b0941638c5f6eebfb145be0c9839262a19a":
-        ("large-v3-turbo", b"ABzY8j^C+e0{>%RARaKHP%t(lGR*)0g!tONPyhe`"),
-}
 GENERATION_CONFIG = "generation_config.json"  # HF: where "alignment_heads" ([layer, head] pairs) lives
 
 
@@ -219,27 +195,32 @@ def decode_alignment_heads(dump: bytes, n_layers: int, n_heads: int) -> list[lis
     return [[int(i), int(j)] for i, j in np.argwhere(mask.reshape(n_layers, n_heads))]
 
 
-def file_sha256(path: Path) -> str:
-    """The file's sha256 (hex), read in 16 MiB pieces."""
-    import hashlib
-
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while piece := f.read(1 << 24):
-            digest.update(piece)
-    return digest.hexdigest()
+def openai_checkpoints() -> dict[str, tuple[str, bytes]]:
+    """openai-whisper's released checkpoints, sha256 of the .pt -> (model name, its alignment heads dump), from the
+    installed package ({} without it). Its download table is private (``whisper._MODELS``, ``_ALIGNMENT_HEADS``) but
+    the only record of which file is which model: each URL names the file's sha256, so a given file's own hash
+    names its model, with nothing downloaded."""
+    try:
+        import whisper
+    except ImportError:
+        return {}
+    table: dict[str, tuple[str, bytes]] = {}
+    for name, url in whisper._MODELS.items():
+        if name in whisper._ALIGNMENT_HEADS:  # "large" / "turbo" alias a file listed under its own name first
+            table.setdefault(url.split("/")[-2], (name, whisper._ALIGNMENT_HEADS[name]))
+    return table
 
 
 def openai_model_name(path: Path) -> str | None:
-    """The released openai-whisper model this file is (``OPENAI_CHECKPOINTS``, by its sha256), else None."""
-    known = OPENAI_CHECKPOINTS.get(file_sha256(path))
+    """The released openai-whisper model this file is (by its sha256), else None."""
+    known = openai_checkpoints().get(sha256_file(path))
     return known[0] if known else None
 
 
 def openai_alignment_heads(path: Path, dims: Mapping[str, int]) -> list[list[int]] | None:
     """The alignment heads of a released openai-whisper file (identified by its sha256), else None (a fine-tune
     or any other file: no heads are known for it)."""
-    known = OPENAI_CHECKPOINTS.get(file_sha256(path))
+    known = openai_checkpoints().get(sha256_file(path))
     return decode_alignment_heads(known[1], dims["n_text_layer"], dims["n_text_head"]) if known else None
 
 
@@ -657,7 +638,7 @@ def write_openai(export: Path, out: Path, **options: Any) -> Path:
 register_hf_family(HFFamily(MODEL_TYPE, read_hf, write_hf, builders=(BUILDER,)))
 register_converter(Converter(OPENAI_FORMAT, recognises_openai, read_openai, write_openai))
 
-__all__ = ["OPENAI_CHECKPOINTS", "decode_alignment_heads", "from_hf", "from_openai", "hf_alignment_heads", "hf_dims",
-           "hf_generation_config", "hf_to_openai_name", "non_speech_tokens", "openai_alignment_heads",
+__all__ = ["decode_alignment_heads", "from_hf", "from_openai", "hf_alignment_heads", "hf_dims",
+           "hf_generation_config", "hf_to_openai_name", "non_speech_tokens", "openai_alignment_heads", "openai_checkpoints",
            "openai_model_name", "openai_shapes", "openai_to_hf_name", "prompt_names", "read_hf", "read_openai",
            "suppress_tokens", "text_tokenizer", "to_hf", "to_openai", "write_hf", "write_openai"]
