@@ -115,7 +115,7 @@ def _palette_png(png: bytes) -> bytes:
 def write_alignment_png(path: str | os.PathLike, wave: Tensor, sample_rate: int, transcript: TimedTranscript,
                         title: str = "") -> Path:
     """``alignment_png`` written atomically to ``path``."""
-    from omni.transcript_formats import write_atomic
+    from omni.files import write_atomic
 
     return write_atomic(path, alignment_png(wave, sample_rate, transcript, title))
 

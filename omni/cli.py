@@ -227,7 +227,8 @@ def _predict(args: argparse.Namespace) -> int:
 
 def _transcribe(args: argparse.Namespace) -> int:
     from omni.speech import transcribe_files
-    from omni.transcript_formats import output_paths, render, transcript_json, write_atomic
+    from omni.files import output_paths, write_atomic
+    from omni.transcript_formats import render, transcript_json
 
     if args.format in ("srt", "vtt") and len(args.files) > 1 and args.output_dir is None:
         raise UsageError(f"--format {args.format} is one document per file: give --output-dir DIR for "
@@ -244,9 +245,9 @@ def _transcribe(args: argparse.Namespace) -> int:
             require("matplotlib", "viz")
         except MissingDependency as exc:
             raise UsageError(f"--alignment draws pictures: {exc}") from exc
-        pictures = dict(zip(args.files, output_paths(args.files, args.alignment, ".png")))
+        pictures = dict(zip(args.files, output_paths(args.files, args.alignment, ".png", fallback="audio")))
     if args.output_dir is not None:
-        outputs = dict(zip(args.files, output_paths(args.files, args.output_dir, f".{args.format}")))
+        outputs = dict(zip(args.files, output_paths(args.files, args.output_dir, f".{args.format}", fallback="audio")))
     timed = False
 
     def run(checkpoint: Path) -> list[Any]:

@@ -40,7 +40,7 @@ from typing import Any, Callable, Mapping
 import torch
 from torch import nn
 
-from omni.files import fsync_dir, sha256_file
+from omni.files import fsync_dir, sha256_file, write_json
 
 FORMAT_VERSION = 1
 CONFIG_NAME = "config.json"
@@ -270,20 +270,6 @@ def _run_export_hint(run: Path) -> str:
 
 # ----------------------------------------------------------------------------------------------------
 # Files: atomic JSON, checksums, fsync, disk full
-
-
-def write_json(path: Path, payload: Any) -> None:
-    """Write JSON durably and atomically (temp file, fsync, rename); a failed write leaves no temp file."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "w") as f:
-            json.dump(payload, f, indent=2, sort_keys=True)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
 
 
 def write_checksums(directory: Path) -> None:

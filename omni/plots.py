@@ -19,14 +19,16 @@ hands the Trainer for TensorBoard; building them needs no matplotlib unless a pi
 
 from __future__ import annotations
 
+import io
 import math
 import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 import numpy as np
+
+from omni.files import write_atomic
 
 DPI = 100
 EXTRA = "viz"
@@ -85,23 +87,14 @@ def _finish(fig: Any, path: str | os.PathLike | None) -> np.ndarray:
 
 
 def write_png(rgb: np.ndarray, path: str | os.PathLike) -> Path:
-    """Write an (H, W, 3) uint8 array as a PNG at ``path`` atomically (temp file beside it, then rename)."""
+    """Write an (H, W, 3) uint8 array as a PNG at ``path`` atomically (omni.files.write_atomic)."""
     from PIL import Image
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            Image.fromarray(np.ascontiguousarray(rgb)).save(f, format="PNG", optimize=True)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)  # mkstemp makes it private; a picture is for anyone who can read the run
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+    png = io.BytesIO()
+    Image.fromarray(np.ascontiguousarray(rgb)).save(png, format="PNG", optimize=True)
+    return write_atomic(path, png.getvalue())
 
 
 # ----------------------------------------------------------------------------------------------------

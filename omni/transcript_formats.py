@@ -1,5 +1,5 @@
 """Transcripts with word timestamps (omni.timestamps.TimedTranscript) as text: SubRip (.srt), WebVTT (.vtt),
-JSON, plain text; and the atomic file write ``omni transcribe --output-dir`` uses.
+JSON, plain text (``omni transcribe --output-dir`` writes them with omni.files.write_atomic).
 
 SRT (the de facto format, as SubRip and ffmpeg write it): numbered cues from 1, ``HH:MM:SS,mmm --> HH:MM:SS,mmm``,
 the text, a blank line; UTF-8. WebVTT (W3C WebVTT, section 4): the ``WEBVTT`` header line, a blank line, then
@@ -11,12 +11,8 @@ cues ``HH:MM:SS.mmm --> HH:MM:SS.mmm`` + text + blank line; ``&``, ``<`` and ``>
 from __future__ import annotations
 
 import json
-import os
-import tempfile
-from pathlib import Path
 from typing import Any, Literal, Sequence
 
-from omni.files import fsync_dir
 from omni.timestamps import TimedSegment, TimedTranscript
 
 Format = Literal["txt", "json", "srt", "vtt"]
@@ -91,45 +87,3 @@ def render(result: TimedTranscript | str, fmt: Format) -> str:
     if not isinstance(result, TimedTranscript):
         raise TypeError(f"{fmt} needs word timestamps (a TimedTranscript), got {type(result).__name__}")
     return to_srt(result.segments) if fmt == "srt" else to_vtt(result.segments)
-
-
-def output_paths(files: Sequence[str | os.PathLike], directory: str | os.PathLike, suffix: str) -> list[Path]:
-    """Where each input's output goes: ``directory/<name><suffix>``, name = the file's name without its suffix;
-    a name met before gets ``-2``, ``-3`` ... (files from two folders may share one)."""
-    seen: set[str] = set()
-    out = []
-    for f in files:
-        stem = Path(f).stem or "audio"
-        name, k = stem, 1
-        while name in seen:
-            k += 1
-            name = f"{stem}-{k}"
-        seen.add(name)
-        out.append(Path(directory) / f"{name}{suffix}")
-    return out
-
-
-def _umask() -> int:
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
-
-
-def write_atomic(path: str | os.PathLike, data: str | bytes) -> Path:
-    """Write ``data`` to ``path`` so a reader sees the old file or the whole new one, never a part: a temporary
-    file in the same folder, flushed to disk, renamed over ``path``, the folder entry flushed."""
-    path = Path(path)
-    raw = data.encode("utf-8") if isinstance(data, str) else data
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(raw)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o666 & ~_umask())  # what open() would have made, not mkstemp's private 0600
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    fsync_dir(path.parent)
-    return path

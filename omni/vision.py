@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from omni.export import load_pretrained, load_tokenizers
+from omni.files import output_paths
 from omni.heads import HEAD_NORM_EPS, ClassificationHead, Pool, pool_segments
 from omni.segment import Sample, Segment
 from omni.tokenizers.base import check_regular_file
@@ -278,19 +279,8 @@ def _encode_file(tokenizer: ImageTokenizer, path: str | Path) -> Segment:
 
 def attention_paths(files: Sequence[str | Path], directory: str | Path) -> list[Path]:
     """Where ``predict_files(..., attention=directory)`` writes each file's picture: ``directory/<name>.png``
-    (the file's name without its suffix; a name met before gets ``-2``, ``-3`` ...: files from two folders
-    may share one)."""
-    seen: set[str] = set()
-    out = []
-    for f in files:
-        stem = Path(f).stem or "image"
-        name, k = stem, 1
-        while name in seen:
-            k += 1
-            name = f"{stem}-{k}"
-        seen.add(name)
-        out.append(Path(directory) / f"{name}.png")
-    return out
+    (omni.files.output_paths: a name met before gets ``-2``, ``-3`` ...)."""
+    return output_paths(files, directory, ".png", fallback="image")
 
 
 ATTENTION_METHODS = ("rollout", "last")

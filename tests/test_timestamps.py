@@ -24,7 +24,8 @@ from omni.timestamps import (TimedSegment, TimedTranscript, WordTiming, _viterbi
                              transcript_words)
 from omni.tokenizers.audio import AudioTokenizer
 from omni.tokenizers.text import TextTokenizer
-from omni.transcript_formats import format_timestamp, output_paths, to_srt, to_vtt, transcript_json, write_atomic
+from omni.files import output_paths, write_atomic
+from omni.transcript_formats import format_timestamp, to_srt, to_vtt, transcript_json
 from omni.trunk import preset
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py

@@ -35,7 +35,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 import numpy as np
 
-from omni.files import fsync_dir, sha256_file
+from omni.files import fsync_dir, sha256_file, write_json
 from omni.lock import DirectoryLock
 
 FORMAT_VERSION = 1
@@ -448,7 +448,7 @@ class Build:
             "splits": self._splits,
             **_jsonable(extra),
         }
-        write_json_atomic(self.staging / MANIFEST_NAME, manifest)
+        write_json(self.staging / MANIFEST_NAME, manifest, sort_keys=False)
         self._swap({s["name"] for split in self._splits.values() for s in split["shards"]})
         self._lock.release()
         self.log(f"{self.out}: wrote {_summary(manifest)}")
@@ -491,13 +491,3 @@ def _summary(manifest: Mapping[str, Any]) -> str:
         f"{name}: {s['count']} samples in {len(s['shards'])} shard(s)" for name, s in manifest["splits"].items()
     ]
     return "; ".join(parts) or "no splits"
-
-
-def write_json_atomic(path: Path, obj: Any) -> None:
-    tmp = path.with_name(path.name + TMP_SUFFIX)
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=2, sort_keys=False)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)

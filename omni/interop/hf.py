@@ -19,8 +19,8 @@ from typing import Any, Callable, Mapping
 
 from torch import Tensor
 
-from omni.export import CONFIG_NAME, WEIGHTS_NAME, write_json
-from omni.files import fsync_dir
+from omni.export import CONFIG_NAME, WEIGHTS_NAME
+from omni.files import fsync_dir, write_json
 from omni.interop import ConversionError, Converter, Export, register_converter
 
 

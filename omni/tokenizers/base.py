@@ -23,6 +23,7 @@ from typing import Any, BinaryIO, Callable, ClassVar, Iterable, TypeVar
 import torch
 from torch import Tensor, nn
 
+from omni.files import write_atomic
 from omni.segment import Role, Segment
 
 ENTRY_POINT_GROUP = "omni.tokenizers"
@@ -70,7 +71,7 @@ class Tokenizer(ABC):
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         payload = {"modality": self.modality, "config": self.config()}
-        _atomic_write_text(directory / CONFIG_FILE, json.dumps(payload, indent=2, sort_keys=True))
+        write_atomic(directory / CONFIG_FILE, json.dumps(payload, indent=2, sort_keys=True))
         self.save_state(directory)
         return directory
 
@@ -204,9 +205,3 @@ def open_regular_file(path: str | os.PathLike) -> BinaryIO:
     except BaseException:
         os.close(fd)
         raise
-
-
-def _atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
