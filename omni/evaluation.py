@@ -47,6 +47,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from omni.files import write_atomic
 from omni.steps import Loss, prepare_data, to_device
 
 EvalFn = Callable[[nn.Module, Any], Mapping[str, Tensor]]
@@ -209,16 +210,7 @@ class MetricHistory:
         self.records = [r for r in read_history(self.path) if r["step"] <= step]
         if not self.records and not self.path.exists():
             return
-        tmp = self.path.with_name(f".{self.path.name}.tmp-{os.getpid()}")
-        try:
-            with open(tmp, "w", encoding="utf-8") as f:
-                f.writelines(_line(r) for r in self.records)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self.path)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
+        write_atomic(self.path, "".join(_line(r) for r in self.records))
 
     def append(self, step: int, values: Mapping[str, Any]) -> None:
         """Record ``values`` logged at ``step`` (floats, or lists of floats)."""
