@@ -1,4 +1,5 @@
-"""``LMTask``: causal language modelling on text documents -> the LM head tied to the text embedding."""
+"""``LMTask``: causal language modelling on text documents -> an LM head, tied to the text embedding unless the
+model it fine-tunes has its own (an untied GPT-2: ``tied=False``)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ from torch import Tensor
 from omni.model import OmniModel
 from omni.packing import PackedBatch
 from omni.segment import Sample
-from omni.tasks.base import NextTextTokenTask, Row, packed_eval_options, packed_items, register_task
+from omni.tasks.base import (NextTextTokenTask, Row, inference, packed_eval_options, packed_items,
+                             register_task)
 from omni.tokenizers.base import Tokenizer
 from omni.tokenizers.text import IGNORE_INDEX, TextTokenizer
 
@@ -27,17 +29,26 @@ def _lm_nll_sum(model: OmniModel, head: str, hidden: Tensor, batch: PackedBatch)
 
 @register_task("lm")
 class LMTask(NextTextTokenTask):
-    """Causal language modelling on text documents, LM head tied to the text embedding."""
+    """Causal language modelling on text documents. The LM head is tied to the text embedding; ``tied=False``
+    gives it its own weight (the head of an untied checkpoint, e.g. a GPT-2 with tie_word_embeddings=False,
+    which must keep training apart from the table)."""
 
     metric_names = ("token_accuracy",)
 
     def __init__(self, name: str, tokenizer: TextTokenizer, texts: Sequence[str], *, weight: float = 1.0,
-                 loss_weight: float = 1.0) -> None:
+                 loss_weight: float = 1.0, tied: bool = True) -> None:
         super().__init__(name, weight, loss_weight)
         if not len(texts):
             raise ValueError(f"task {name!r}: no texts")
         self.tokenizer, self.texts = tokenizer, texts
         self.text_tokenizer = tokenizer
+        self.tied = bool(tied)
+
+    def head_specs(self) -> dict[str, dict[str, Any]]:
+        specs = super().head_specs()
+        if not self.tied:  # a spec without tie_to builds the head with its own weight (omni.heads.LMHead)
+            specs[self.name].pop("tie_to")
+        return specs
 
     def tokenizers(self) -> dict[str, Tokenizer]:
         return {"text": self.tokenizer}
@@ -63,6 +74,31 @@ class LMTask(NextTextTokenTask):
                 "documents": float(len(self))}
 
     eval_options = staticmethod(packed_eval_options)
+
+    def samples(self, model: OmniModel, count: int = 4, prompt_tokens: int = 16, max_new_tokens: int = 48,
+                temperature: float = 0.8, top_k: int | None = 40) -> list[Any]:
+        """The first ``count`` held-out texts' opening ``prompt_tokens`` tokens and the model's continuation
+        (sampled with a fixed seed, so a step's notes compare with the next's), as ``omni.plots.Note`` items
+        (TensorBoard text). Fewer new tokens where a learned position table ends sooner."""
+        from omni.generate import TextLM, generate_ids
+        from omni.plots import Note
+
+        if count <= 0:
+            return []
+        lm = TextLM(model, self.name, self.tokenizer)
+        prompts = []
+        for text in self.texts[:count]:
+            ids = self.tokenizer.encode(text, key="sample").tokens.tolist()
+            prompts.append(ids[:max(1, min(prompt_tokens, len(ids) - 1))])  # leave the text something to continue
+        new = max_new_tokens
+        if lm.max_positions is not None:
+            new = min(new, lm.max_positions - max(len(p) for p in prompts))
+        if new <= 0:
+            return []
+        with inference(model):
+            out = generate_ids(lm, prompts, max_new_tokens=new, temperature=temperature, top_k=top_k, seed=0)
+        return [Note(f"{self.name}/sample{i}", f"**{lm.decode(p)}**{lm.decode(o)}")
+                for i, (p, o) in enumerate(zip(prompts, out))]
 
     def result_row(self, r: Mapping[str, float]) -> Row:
         return ("perplexity (token)", f"{r['ppl']:.2f}", f"{r['bpb']:.4f} bits/byte",

@@ -1,0 +1,216 @@
+"""A causal text language model: BPE text -> causal trunk -> LM head, documents packed into fixed rows.
+
+    python recipes/lm.py                                      # preset for the device (tiny on CPU)
+    python recipes/lm.py --preset tiny                        # CPU smoke run: seconds
+    python recipes/lm.py --set "text=['a.txt', 'b.txt']"      # your own UTF-8 text instead of Austen
+    python recipes/lm.py --preset gpt2-finetune --set init=hf-gpt2/ --set "text=['my.txt']"   # fine-tune GPT-2
+
+Data. The paragraphs (blank-line separated; Austen's novels from Debian's r-cran-janeaustenr, or
+$OMNI_AUSTEN_DIR, unless ``text`` names files or folders) of at least ``min_words`` words are the documents; a
+paragraph longer than ``context`` tokens is cut into pieces that fit. The last ``eval_fraction`` of them are
+held out. Each batch packs documents into ``rows`` x ``row_length`` tokens (omni.mixture.MixtureLoader, one task);
+attention never crosses documents, and positions restart at each one.
+
+From scratch the tokenizer is omni's BPE (``omni.tokenizers.text``, bpe-8k, bos and eos around each document)
+and the trunk a ``trunk`` preset with ``positions`` (learned_1d: GPT-2's table, sized ``context``).
+
+--set init=PATH starts from a text LM: an omni text-LM export (this recipe's, a converted GPT-2, a multimodal run
+with only='text') or a Hugging Face GPT-2 directory (converted on the fly, omni.interop.gpt2). Its tokenizer,
+trunk and LM head replace the recipe's (``trunk``, ``positions`` are not used); an untied head (GPT-2's
+tie_word_embeddings=False) trains as its own weight. ``context`` may not exceed its learned position table.
+``dropout`` None keeps the model's own (GPT-2: resid_pdrop). The export in <out>/final is again a text LM:
+``omni generate --checkpoint <out>/final "prompt"``, and a GPT-2 goes back with ``omni convert --to hf``.
+
+Metrics: train/lm/loss (nats per token), and at each evaluation the held-out bits per UTF-8 byte (eval/bpb),
+token perplexity (eval/ppl) and mean NLL (eval/loss) over every held-out document (omni.tasks.LMTask.evaluate),
+plus ``samples`` continuations of held-out openings logged to TensorBoard as text (lm/sample<i>).
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from omni.config import (FRACTION, Check, Key, at_least, between, check_corpus, one_of, recipe_config,
+                          recipe_parser, run_recipe, train_config)
+from omni.init import OMNI_BUILDER, load_init, read_init
+from omni.mixture import MixtureLoader
+from omni.multitask import MultitaskModel, multitask_loss
+from omni.packing import BLOCK_SIZE
+from omni.tasks import LMTask
+from omni.tokenizers.text import TextTokenizer
+from omni.train import Trainer, process_state, unwrap
+from omni.trunk import TrunkConfig, preset
+
+# ---------------------------------------------------------------------------------------------------
+# Config. Every entry can be overridden with --set key=value.
+
+COMMON = dict(
+    out="runs/lm", text=None,
+    init=Key(None, (str, None), help="start from this text LM: an omni text-LM export or a Hugging Face GPT-2 "
+                                     "directory (module docstring)"),
+    context=Key(512, check=at_least(2), help="most tokens of one document (the tokenizer's max_length); longer "
+                                            "paragraphs are cut"),
+    row_length=Key(2048, check=Check(lambda v: v >= BLOCK_SIZE and v % BLOCK_SIZE == 0,
+                                     f"a positive multiple of {BLOCK_SIZE}"), help="tokens per packed row"),
+    rows=Key(8, check=at_least(1), help="packed rows per batch and process"),
+    min_words=Key(4, check=at_least(1), help="shorter paragraphs (headings) are dropped"),
+    eval_fraction=Key(0.02, check=Check(lambda v: 0 < v < 1, "in (0, 1)"), help="held-out share of documents"),
+    limit_train=None, limit_eval=None,
+    trunk="S", trunk_overrides={},
+    positions=Key("learned_1d", str, one_of("learned_1d", "rope", "sinusoidal", "none"),
+                  "token positions (from scratch)"),
+    dropout=Key(None, (float, None), between(0, 0.99), "residual dropout; None: 0 from scratch, the init's own"),
+    steps=5000, lr=1e-3, min_lr_ratio=0.1, warmup_steps=200, weight_decay=0.1, clip_norm=1.0,
+    workers=0, compile=False, eval_every=1000, checkpoint_every=1000, log_every=50, seed=0, progress=True,
+    report_to="tensorboard", resume="auto",
+    samples=Key(4, check=at_least(0), help="held-out openings whose continuations are logged at each evaluation"),
+)
+PRESETS: dict[str, dict[str, Any]] = {
+    # CPU smoke run: a tiny trunk on short documents, a few dozen steps.
+    "tiny": dict(out="runs/lm-tiny", trunk="tiny", context=64, row_length=256, rows=2, steps=40, lr=3e-3,
+                 warmup_steps=5, eval_every=0, checkpoint_every=0, log_every=10, limit_train=2000, limit_eval=40,
+                 samples=2),
+    # From scratch on one GPU: a width-384 GPT on the corpus, 512-token documents.
+    "small": dict(trunk="S", context=512, row_length=2048, rows=16, steps=5000, lr=1e-3, compile=True),
+    # Fine-tune a GPT-2 (--set init=...) on one GPU: its 1024 positions, a small lr, no weight decay on a few steps.
+    "gpt2-finetune": dict(out="runs/lm-gpt2", context=1024, row_length=1024, rows=8, steps=1000, lr=5e-5,
+                          min_lr_ratio=0.1, warmup_steps=50, weight_decay=0.01, eval_every=200,
+                          checkpoint_every=500, log_every=10),
+}
+
+
+def parse_args(argv=None) -> dict:
+    ap = recipe_parser(__doc__, COMMON, PRESETS, "small on CUDA, tiny otherwise", data_help=None)
+    cfg = recipe_config(ap, ap.parse_args(argv), COMMON, PRESETS, "small" if torch.cuda.is_available() else "tiny")
+    if cfg["context"] > cfg["row_length"]:
+        ap.error(f"context {cfg['context']} is longer than row_length {cfg['row_length']}: a document must fit a row")
+    return cfg
+
+
+# ---------------------------------------------------------------------------------------------------
+# Data
+
+
+def documents(cfg: dict, tok: TextTokenizer) -> dict[str, list[str]]:
+    """{"train", "test"}: the corpus's paragraphs of ``min_words``+ words, each cut into pieces of at most
+    ``context`` tokens (specials included) at token boundaries; the last ``eval_fraction`` held out."""
+    from omni.data.builders_speech import load_paragraphs
+
+    check_corpus(cfg["text"])
+    paragraphs = [p for p in load_paragraphs(cfg["text"])[0] if len(p.split()) >= cfg["min_words"]]
+    room = cfg["context"] - int(tok.add_bos) - int(tok.add_eos)
+    docs: list[str] = []
+    for p, enc in zip(paragraphs, tok.hf.encode_batch(paragraphs, add_special_tokens=False)):
+        ids = enc.ids
+        if len(ids) <= room:
+            docs.append(p)
+        else:  # decoded pieces re-encode to about as many tokens; one that grew past room is dropped below
+            docs += [tok.decode(ids[i:i + room]) for i in range(0, len(ids), room)]
+    lengths = [len(e.ids) for e in tok.hf.encode_batch(docs, add_special_tokens=False)]
+    docs = [d for d, n in zip(docs, lengths) if 0 < n <= room]
+    if len(docs) < 2:
+        raise ValueError(f"text: {len(docs)} paragraphs of {cfg['min_words']}+ words; need a training and a "
+                         "held-out one")
+    n_eval = max(1, int(len(docs) * cfg["eval_fraction"]))
+    return {"train": docs[:-n_eval][:cfg["limit_train"]], "test": docs[-n_eval:][:cfg["limit_eval"]]}
+
+
+# ---------------------------------------------------------------------------------------------------
+# Model
+
+
+def from_init(cfg: dict) -> tuple[TextTokenizer, TrunkConfig, str, bool, dict[str, Any]]:
+    """(tokenizer at ``context``, trunk, LM head name, tied, the source) of ``init``: one line when it is no
+    text LM or its learned position table is shorter than ``context``."""
+    path = cfg["init"]
+    source = read_init(path, OMNI_BUILDER, "recipes/lm.py", "a text language model (an omni text-LM export or a "
+                       "Hugging Face GPT-2 directory)")
+    config, _, toks = source
+    heads = config.get("heads", {})
+    head = next(iter(heads), "")
+    if set(toks) != {"text"} or not isinstance(toks["text"], TextTokenizer) or len(heads) != 1 \
+            or heads[head].get("type") != "lm":  # as `omni convert --to hf` and `omni generate` read a text LM
+        raise ValueError(f"init {path}: not a text language model (one text tokenizer and one LM head; it has "
+                         f"tokenizers {', '.join(toks) or 'none'}, heads {', '.join(heads) or 'none'}); "
+                         "recipes/lm.py starts from a text LM")
+    trunk = TrunkConfig(**config["trunk"])
+    if cfg["dropout"] is not None:
+        trunk = replace(trunk, dropout=cfg["dropout"])
+    tok = copy.copy(toks["text"])  # its vocabulary and specials, this run's document length
+    tok.max_length = cfg["context"]
+    return tok, trunk, head, "tie_to" in config["heads"][head], source
+
+
+def check_context(trunk: TrunkConfig, context: int, what: str) -> None:
+    """A learned position table must cover a whole document (beyond it, positions would repeat its last row)."""
+    if trunk.positions in ("learned", "learned_1d") and trunk.max_positions < context:
+        raise ValueError(f"context {context} is longer than {what}'s learned position table ({trunk.max_positions} "
+                         f"positions): set context={trunk.max_positions} or less")
+
+
+def build(cfg: dict, rank: int = 0, world: int = 1):
+    """(model, train loader, train task, held-out task, export config) for a config: what main trains and
+    what tests inspect."""
+    source = None
+    if cfg["init"]:
+        tok, trunk, name, tied, source = from_init(cfg)
+        check_context(trunk, cfg["context"], f"init {cfg['init']}")
+    else:
+        tok, name, tied = TextTokenizer(max_length=cfg["context"]), "lm", True
+        trunk = preset(cfg["trunk"], **{"positions": cfg["positions"], "max_positions": cfg["context"],
+                                        "dropout": cfg["dropout"] or 0.0, **cfg["trunk_overrides"]})
+        check_context(trunk, cfg["context"], "the trunk")
+    docs = documents(cfg, tok)
+    train, test = (LMTask(name, tok, docs[split], tied=tied) for split in ("train", "test"))
+    torch.manual_seed(cfg["seed"])
+    model = MultitaskModel([train], trunk)
+    export = model.export_config()
+    if source is not None:
+        load_init(model.omni, source[1], cfg["init"])
+        if "source" in source[0]:  # the HF config it came from: `omni convert --to hf` writes it back
+            export["source"] = source[0]["source"]
+    loader = MixtureLoader([train], row_length=cfg["row_length"], rows=cfg["rows"], seed=cfg["seed"], rank=rank,
+                           world_size=world, num_workers=cfg["workers"])
+    return model, loader, train, test, export
+
+
+# ---------------------------------------------------------------------------------------------------
+
+
+def main(argv=None) -> dict:
+    cfg = parse_args(argv)
+    state = process_state()
+    model, loader, train, test, export = build(cfg, state.process_index, state.num_processes)
+
+    def held_out(model, step: int) -> dict[str, float]:
+        """Bits per byte, perplexity and NLL over every held-out document (the same on every rank)."""
+        r = test.evaluate(unwrap(model).omni, row_length=cfg["row_length"], rows=cfg["rows"])
+        return {"bpb": r["bpb"], "ppl": r["ppl"], "loss": r["nll"]}
+
+    config = train_config(cfg, warmup_steps=min(cfg["warmup_steps"], cfg["steps"]), run_name=f"lm-{cfg['preset']}")
+    trainer = Trainer(model, multitask_loss, loader, config, model_metrics_fn=held_out,
+                      samples_fn=lambda model, step: test.samples(model.omni, cfg["samples"]), hparams=cfg,
+                      export_config=export, export_tokenizers={"text": train.tokenizer},
+                      export_module=lambda m: m.omni)
+    if state.is_main_process:
+        n_params = sum(p.numel() for p in unwrap(trainer.model).parameters())
+        start_from = f"init {cfg['init']}" if cfg["init"] else "from scratch"
+        print(f"LM preset {cfg['preset']} ({start_from}): {n_params / 1e6:.2f}M parameters, vocabulary "
+              f"{train.tokenizer.vocab_size}, {len(train)} training / {len(test)} held-out documents, {cfg['steps']} "
+              f"steps of {cfg['rows']} x {cfg['row_length']} tokens, {trainer.accelerator.device}", flush=True)
+    start = time.time()
+    metrics = trainer.fit()
+    if state.is_main_process:
+        print(f"done in {time.time() - start:.0f} s: train loss {metrics.get('train/loss', float('nan')):.4f}; held "
+              f"out {metrics.get('eval/bpb', float('nan')):.4f} bits/byte, token perplexity "
+              f"{metrics.get('eval/ppl', float('nan')):.2f}; model exported to {trainer.export_dir}", flush=True)
+    return metrics
+
+
+if __name__ == "__main__":
+    run_recipe(main)
