@@ -77,7 +77,7 @@ PRESETS: dict[str, dict[str, Any]] = {
                  samples=2),
     # From scratch on one GPU: a width-384 GPT on the corpus, 512-token documents.
     "small": dict(trunk="S", context=512, row_length=2048, rows=16, steps=5000, lr=1e-3, compile=True),
-    # Fine-tune a GPT-2 (--set init=...) on one GPU: its 1024 positions, a small lr, no weight decay on a few steps.
+    # Fine-tune a GPT-2 (--set init=...) on one GPU: its 1024 positions, a small lr, light weight decay.
     "gpt2-finetune": dict(out="runs/lm-gpt2", context=1024, row_length=1024, rows=8, steps=1000, lr=5e-5,
                           min_lr_ratio=0.1, warmup_steps=50, weight_decay=0.01, eval_every=200,
                           checkpoint_every=500, log_every=10),
