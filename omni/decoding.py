@@ -268,8 +268,8 @@ class DecodingOptions:
 
     def filters(self, model: Seq2SeqDecoder) -> list[LogitFilter]:
         """These options' rules, then the model's own (``model.logit_filters``, e.g. a converted Whisper's)."""
-        own = list(getattr(model, "logit_filters", None) or ())
-        return ([MinNewTokens(model.eos_id, self.min_new_tokens)] if self.min_new_tokens > 0 else []) + own
+        mine = [MinNewTokens(model.eos_id, self.min_new_tokens)] if self.min_new_tokens > 0 else []
+        return mine + list(model.logit_filters)
 
     def guard(self, device: torch.device) -> RepetitionGuard | None:
         if self.max_repeats is None:

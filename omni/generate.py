@@ -87,6 +87,7 @@ class PromptedLM:
 
     prompt: list[int] = []  # the common prompt: none, every row's own is in the memory
     tokens_per_second = 1.0  # no time scale: generation gives DecodingOptions tokens_per_second=None
+    logit_filters: tuple = ()  # HF generate(do_sample=False) has no rules; sampling is a filter in the options
 
     def __init__(self, lm: CausalLM) -> None:
         self.lm = lm

@@ -15,7 +15,7 @@ Shapes: B rows, S memory tokens, T text tokens, V vocabulary, d model width, F t
 
 from __future__ import annotations
 
-from typing import Any, Iterator, Protocol, runtime_checkable
+from typing import Any, Iterator, Protocol, Sequence, runtime_checkable
 
 import torch
 from torch import Tensor, nn
@@ -30,6 +30,7 @@ class Seq2SeqDecoder(Protocol):
     eos_id: int  # ends a row
     pad_id: int  # fills a row after it ended
     tokens_per_second: float  # memory tokens per second of input: token limits scale with the input's duration
+    logit_filters: Sequence[LogitFilter]  # the model's own decoding rules (a converted Whisper's), run by every strategy
 
     @property
     def prompt(self) -> list[int]:

@@ -267,6 +267,7 @@ class PrefixLMTranscriber:
         self.prompt = [text.bos_id, text.token_id(task_token)]
         self.eos_id, self.pad_id = text.eos_id, text.pad_id
         self.tokens_per_second = audio.tokens_per_second
+        self.logit_filters: list = []  # omni's own prefix-LM decodes with DecodingOptions' rules alone
 
     @classmethod
     def for_task(cls, model: OmniModel, task: TranscribeTask) -> PrefixLMTranscriber:
