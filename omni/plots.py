@@ -86,6 +86,11 @@ def _finish(fig: Any, path: str | os.PathLike | None) -> np.ndarray:
     return rgb
 
 
+def as_array(x: Any, dtype: Any = None) -> np.ndarray:
+    """A tensor (any device, bf16 too: through float32) or array-like as a numpy array."""
+    return np.asarray(x.detach().cpu().float().numpy() if hasattr(x, "detach") else x, dtype=dtype)
+
+
 def write_png(rgb: np.ndarray, path: str | os.PathLike) -> Path:
     """Write an (H, W, 3) uint8 array as a PNG at ``path`` atomically (omni.files.write_atomic)."""
     from PIL import Image
@@ -314,7 +319,7 @@ def attention_overlay(image: Any, heat: Any, top_k: Sequence[tuple[str, float]] 
     patch grid, row-major), each patch's cell covering its ``patch_size`` pixels (default: the image divided
     evenly by the grid) so the map lines up with the grid; a colorbar; the top-k classes in the title."""
     img = as_hwc(image)
-    h = np.asarray(heat.detach().cpu().float().numpy() if hasattr(heat, "detach") else heat, dtype=np.float64)
+    h = as_array(heat, np.float64)
     if h.ndim != 2 or not h.size:
         raise ValueError(f"heat must be a (rows, columns) patch-grid map, got shape {h.shape}")
     H, W = img.shape[:2]
@@ -408,7 +413,7 @@ def attention_grid(images: Sequence[Any], heats: Sequence[Any], labels: Sequence
     for k, (box_in, box_heat) in enumerate(boxes):
         img = as_hwc(images[k])
         heat = heats[k]
-        h = np.asarray(heat.detach().cpu().float().numpy() if hasattr(heat, "detach") else heat, dtype=np.float64)
+        h = as_array(heat, np.float64)
         if h.ndim != 2 or not h.size:
             raise ValueError(f"heats[{k}] must be a (rows, columns) patch-grid map, got shape {h.shape}")
         H, W = img.shape[:2]
@@ -436,7 +441,7 @@ def attention_grid(images: Sequence[Any], heats: Sequence[Any], labels: Sequence
 def spectrogram(features: Any, path: str | os.PathLike | None = None, *, title: str | None = None,
                 frames_per_second: float | None = None) -> np.ndarray:
     """A (frames, bins) log-mel spectrogram as an image (time across, frequency up), with a colorbar."""
-    f = np.asarray(features.detach().cpu().float().numpy() if hasattr(features, "detach") else features)
+    f = as_array(features)
     if f.ndim != 2 or not f.size:
         raise ValueError(f"spectrogram expects (frames, bins), got shape {f.shape}")
     fig = _figure(7.0, 2.8)
