@@ -40,6 +40,7 @@ from omni.config import (FRACTION, NON_EMPTY, POSITIVE, Check, Key, at_least, on
                           recipe_parser, run_recipe, train_config)
 from omni.data.shards import read_manifest
 from omni.deps import require
+from omni.files import write_atomic
 from omni.init import DT_BUILDER, init_decision_transformer, init_trajectory_tokenizer, read_init
 from omni.rl import (
     DecisionTransformer,
@@ -284,7 +285,7 @@ def main(argv=None) -> dict:
         print(table, flush=True)
         out = Path(cfg["out"])
         out.mkdir(parents=True, exist_ok=True)
-        (out / "results.json").write_text(json.dumps(payload, indent=2, default=str))
+        write_atomic(out / "results.json", json.dumps(payload, indent=2, default=str))
         write_returns_plot(cfg, results, ref, out)
     return payload
 

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from omni.config import (FRACTION, Check, Key, at_least, between, check_corpus, one_of, recipe_config,
+from omni.config import (Check, Key, at_least, between, check_corpus, one_of, recipe_config,
                           recipe_parser, run_recipe, train_config)
 from omni.init import OMNI_BUILDER, load_init, read_init
 from omni.mixture import MixtureLoader

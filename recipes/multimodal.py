@@ -129,6 +129,7 @@ from omni.config import (NON_EMPTY, Check, Key, at_least, check_corpus, keywords
 from omni.data.builders_speech import build_speech_synth
 from omni.data.clips import DecodeClip, log_mel_tokens
 from omni.deps import require
+from omni.files import write_atomic
 from omni.init import OMNI_BUILDER, init_multitask, load_init, new_multitask_tensor, read_init
 from omni.mixture import MixtureLoader
 from omni.multitask import MultitaskModel, merge_tokenizers, multitask_loss
@@ -408,7 +409,7 @@ def text_corpus(spec: dict, cfg: dict, text) -> dict[str, list[str]]:
         lengths = [len(e.ids) + 2 for e in text.hf.encode_batch(paragraphs, add_special_tokens=False)]
         keep = [p for p, n in zip(paragraphs, lengths) if n <= spec["max_tokens"]]
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(keep))
+        write_atomic(path, json.dumps(keep))  # a half-written cache would break every later run
     keep = json.loads(path.read_text())
     n_eval = max(1, int(len(keep) * spec["eval_fraction"]))
     train = keep[:-n_eval][: spec.get("limit")]
@@ -601,7 +602,7 @@ def main(argv=None, *, on_trained=None) -> dict:
         result = {"seconds": round(time.time() - start, 1),
                   **{k: v for k, v in metrics.items() if isinstance(v, (int, float)) and math.isfinite(v)}}
         out.mkdir(parents=True, exist_ok=True)
-        (out / "metrics.json").write_text(json.dumps(result, indent=2, sort_keys=True))
+        write_atomic(out / "metrics.json", json.dumps(result, indent=2, sort_keys=True))
         per_task = "; ".join(f"{t.name} loss {metrics.get(f'train/{t.name}/loss', math.nan):.3f}" for t in tasks["train"])
         print(f"done in {result['seconds']:.0f} s: {per_task}; model exported to {trainer.export_dir}", flush=True)
         if record:
@@ -610,7 +611,7 @@ def main(argv=None, *, on_trained=None) -> dict:
             payload = {"preset": cfg["preset"], "tasks": [t.name for t in tasks["train"]], "steps": metrics.get("step"),
                        "tokens_per_step": cfg["rows"] * cfg["row_length"] * state.num_processes,  # all ranks
                        "results": record, "table": table, "config": cfg}
-            (out / "results.json").write_text(json.dumps(payload, indent=2, default=str))
+            write_atomic(out / "results.json", json.dumps(payload, indent=2, default=str))
     return metrics
 
 

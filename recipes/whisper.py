@@ -54,6 +54,7 @@ from omni.config import (POSITIVE, Key, at_least, check_corpus, keywords_of, one
 from omni.data.builders_speech import build_speech_synth
 from omni.data.clips import AUDIO_FIELDS, DecodeClip
 from omni.export import get_builder
+from omni.files import write_atomic
 from omni.init import SPEECH_BUILDER, load_init, read_init
 from omni.data.reader import ShardLoader
 from omni.data.shards import read_manifest
@@ -401,7 +402,7 @@ def main(argv=None) -> dict:
         result = {"seconds": round(time.time() - start, 1), **{k: v for k, v in metrics.items()
                                                                if isinstance(v, (int, float))}}
         Path(cfg["out"]).mkdir(parents=True, exist_ok=True)
-        (Path(cfg["out"]) / "eval.json").write_text(json.dumps(result, indent=2, sort_keys=True))
+        write_atomic(Path(cfg["out"]) / "eval.json", json.dumps(result, indent=2, sort_keys=True))
         print(f"done in {result['seconds']:.0f} s: test WER {metrics.get('eval/wer', math.nan):.4f} "
               f"CER {metrics.get('eval/cer', math.nan):.4f} (loss {metrics.get('eval/loss', math.nan):.4f}); "
               f"model exported to {trainer.export_dir}", flush=True)
