@@ -108,22 +108,23 @@ def test_a_vit_model_backbone_is_a_classifier_without_classes(tmp_path):
 # The image processor
 
 
-def test_processor_settings_are_carried_and_preprocess_as_hf(tmp_path):
+@pytest.mark.parametrize("resample,interpolation", [(2, "bilinear"), (3, "bicubic")])
+def test_processor_settings_are_carried_and_preprocess_as_hf(tmp_path, resample, interpolation):
     """preprocessor_config.json (size, resample, mean / std) becomes the tokenizer; omni's pixels on 8-bit images
-    are HF's ViTImageProcessor's (bilinear, its default) but for the 8-bit rounding of PIL's resize: one level.
-    (Bicubic upsampling differs more: omni's "resize" policy does not clip the filter's overshoot to 0..255.)"""
+    are HF's ViTImageProcessor's (bilinear, its default; bicubic) but for the 8-bit rounding of PIL's resize: one
+    level (bicubic upsampling overshot by up to 12.6 levels before the "resize" policy clipped to [0, 1])."""
     from transformers import AutoImageProcessor
 
     peer = hf_vit(seed=5)
     peer.save_pretrained(tmp_path / "hf")
     settings = {"image_processor_type": "ViTImageProcessor", "do_resize": True, "size": {"height": 32, "width": 32},
-                "resample": 2, "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True,
+                "resample": resample, "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True,
                 "image_mean": [0.485, 0.456, 0.406], "image_std": [0.229, 0.224, 0.225]}
     (tmp_path / "hf" / "preprocessor_config.json").write_text(json.dumps(settings))
     export = convert(tmp_path / "hf", tmp_path / "omni")
     tok = load_tokenizers(export)["image"]
     assert (tok.policy, tok.image_size, tok.interpolation, tok.mean, tok.std, tok.cls, tok.positions) == (
-        "resize", (32, 32), "bilinear", [0.485, 0.456, 0.406], [0.229, 0.224, 0.225], True, "sequence")
+        "resize", (32, 32), interpolation, [0.485, 0.456, 0.406], [0.229, 0.224, 0.225], True, "sequence")
     processor = AutoImageProcessor.from_pretrained(tmp_path / "hf")
     rng = np.random.default_rng(0)
     for shape in ((50, 70, 3), (32, 32, 3), (20, 45, 3), (300, 200, 3)):
