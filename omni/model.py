@@ -24,7 +24,7 @@ themselves take tensors (omni.heads): (N, d) rows, or tokens + segment ids for a
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -33,6 +33,25 @@ from omni.heads import packed_segments
 from omni.packing import PackedBatch
 from omni.tokenizers.base import Tokenizer
 from omni.trunk import Mask, Trunk, TrunkConfig
+
+
+class CarriedTensors(nn.Module):
+    """Tensors of a converted checkpoint that the model never reads (a Hugging Face ViTModel's pooler), held as
+    buffers so that the model's export hands the checkpoint back whole. Named by their source names, '.' written
+    '/' (a buffer name cannot hold a dot). ``shapes`` is what an export config records (``shapes()``)."""
+
+    def __init__(self, shapes: Mapping[str, Sequence[int]]) -> None:
+        super().__init__()
+        for name, shape in shapes.items():
+            self.register_buffer(name.replace(".", "/"), torch.zeros(tuple(shape)))
+
+    def tensors(self) -> dict[str, Tensor]:
+        """{source name: tensor}."""
+        return {name.replace("/", "."): t for name, t in self.named_buffers()}
+
+    def shapes(self) -> dict[str, list[int]]:
+        """{source name: shape}: the export config entry that rebuilds this module."""
+        return {name: list(t.shape) for name, t in self.tensors().items()}
 
 
 class OmniModel(nn.Module):

@@ -13,7 +13,7 @@ import math
 import os
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Literal, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +22,7 @@ from torch import Tensor, nn
 from omni.export import load_pretrained, load_tokenizers
 from omni.files import output_paths
 from omni.heads import HEAD_NORM_EPS, ClassificationHead, Pool, pool_segments
+from omni.model import CarriedTensors
 from omni.segment import Sample, Segment
 from omni.tokenizers.base import check_regular_file
 from omni.tokenizers.image import ImageTokenizer, patchify
@@ -35,10 +36,12 @@ POSITION_TABLE = "trunk.absolute.table.weight"  # the learned 1-D position table
 class ImageClassifier(nn.Module):
     """Patch embedder -> bidirectional Trunk -> ClassificationHead. With a CLS tokenizer the tokens carry
     its CLS row and flag column on every path; pool="mean" then averages the CLS token with the patches,
-    as ClassificationHead does on packed batches. ``norm_eps``: the head's LayerNorm (None: none)."""
+    as ClassificationHead does on packed batches. ``norm_eps``: the head's LayerNorm (None: none). ``carried``:
+    {name: shape} of a converted checkpoint's tensors off the classification path (a HF ViTModel's pooler), kept in
+    the state dict (``CarriedTensors``) so the export converts back whole; None adds nothing."""
 
     def __init__(self, image: ImageTokenizer, trunk: TrunkConfig, n_classes: int, pool: Pool = "mean",
-                 norm_eps: float | None = HEAD_NORM_EPS) -> None:
+                 norm_eps: float | None = HEAD_NORM_EPS, carried: Mapping[str, Sequence[int]] | None = None) -> None:
         super().__init__()
         if trunk.positions == "learned_1d" and image.positions != "sequence":
             raise ValueError("trunk positions 'learned_1d' index one table by token order: the image tokenizer "
@@ -50,6 +53,7 @@ class ImageClassifier(nn.Module):
         self.embed = image.embedder(trunk.d_model)
         self.trunk = Trunk(trunk)
         self.head = ClassificationHead(trunk.d_model, n_classes, pool=pool, norm_eps=norm_eps)
+        self.carried = CarriedTensors(carried) if carried else None
 
     def forward(self, images: Tensor) -> Tensor:
         """Uniform batch (B, C, H, W), uint8 or float in [0, 1], H and W multiples of the patch -> logits."""
@@ -86,7 +90,8 @@ class ImageClassifier(nn.Module):
     def export_config(self, class_names: Sequence[str] | None = None) -> dict[str, Any]:
         """config.json for its export (``save_pretrained(model, dir, config, tokenizers={"image": tokenizer})``)."""
         names = {"class_names": list(class_names)} if class_names else {}
-        return {"builder": BUILDER, "trunk": self.trunk.cfg.to_dict(), "head": self.head.spec(), **names}
+        carried = {"carried": self.carried.shapes()} if self.carried is not None else {}
+        return {"builder": BUILDER, "trunk": self.trunk.cfg.to_dict(), "head": self.head.spec(), **names, **carried}
 
 
 def head_options(config: dict[str, Any]) -> dict[str, Any]:
@@ -101,17 +106,36 @@ def head_options(config: dict[str, Any]) -> dict[str, Any]:
 
 def build_image_classifier(config: dict[str, Any], tokenizers: dict[str, Any]) -> ImageClassifier:
     """Export builder (config.json "builder": "omni.vision:build_image_classifier")."""
-    return ImageClassifier(tokenizers["image"], TrunkConfig(**config["trunk"]), **head_options(config))
+    return ImageClassifier(tokenizers["image"], TrunkConfig(**config["trunk"]), **head_options(config),
+                           carried=config.get("carried"))
 
 
-def resample_position_table(table: Tensor, old_grid: Sequence[int], new_grid: Sequence[int], prefix: int) -> Tensor:
+PositionRule = Literal["timm", "hf"]
+# Export sources (config.json "source" "format") whose positions resample by Hugging Face's rule, not timm's
+HF_POSITION_SOURCES = ("transformers:vit",)
+
+
+def position_rule(config: Mapping[str, Any]) -> PositionRule:
+    """How an image classifier export's position table resamples to another grid: "hf" for a model converted from
+    Hugging Face (what ``interpolate_pos_encoding=True`` computes there), else "timm"."""
+    source = config.get("source")
+    return "hf" if isinstance(source, Mapping) and source.get("format") in HF_POSITION_SOURCES else "timm"
+
+
+def resample_position_table(table: Tensor, old_grid: Sequence[int], new_grid: Sequence[int], prefix: int,
+                            rule: PositionRule = "timm") -> Tensor:
     """A learned (prefix + gh * gw, d) position table for another (gh', gw') patch grid: the patch rows resampled
-    on the grid (bicubic, antialiased), the prefix (CLS) rows kept, as timm's ``resample_abs_pos_embed``."""
+    on the grid, the prefix (CLS) rows kept. ``rule`` "timm": bicubic, antialiased, as timm's
+    ``resample_abs_pos_embed``; "hf": bicubic to the new grid size, align_corners=False, no antialiasing, as
+    transformers' ``ViTEmbeddings.interpolate_pos_encoding`` (the same positions HF computes at every forward)."""
+    if rule not in ("timm", "hf"):
+        raise ValueError(f"position resampling rule {rule!r}: expected 'timm' or 'hf'")
     if tuple(old_grid) == tuple(new_grid):
         return table
     d = table.shape[-1]
     grid = table[prefix:].float().reshape(1, *old_grid, d).permute(0, 3, 1, 2)  # (1, d, gh, gw)
-    grid = F.interpolate(grid, size=tuple(new_grid), mode="bicubic", antialias=True)  # (1, d, gh', gw')
+    grid = F.interpolate(grid, size=tuple(new_grid), mode="bicubic", align_corners=False,
+                         antialias=rule == "timm")  # (1, d, gh', gw')
     return torch.cat([table[:prefix], grid.permute(0, 2, 3, 1).reshape(-1, d).to(table.dtype)])
 
 
@@ -119,8 +143,8 @@ def adapt_classifier(config: dict[str, Any], state_dict: dict[str, Tensor], imag
                      image_size: int | None = None, n_classes: int | None = None) -> ImageClassifier:
     """An image classifier export (config, state dict, tokenizer: ``omni.interop.read_model`` reads an export or
     a peer checkpoint) as the start of a fine-tuning run on ``image_size`` images with ``n_classes`` classes.
-    A new size resamples the learned 1-D position table (``resample_position_table``; the tokenizer keeps its
-    crop_pct); a new class count gets a new head (zero, as any new one)."""
+    A new size resamples the learned 1-D position table (``resample_position_table`` by the source's rule,
+    ``position_rule``; the tokenizer keeps its crop_pct); a new class count gets a new head (zero, as any new one)."""
     trunk, head, state = TrunkConfig(**config["trunk"]), head_options(config), dict(state_dict)
     if image_size is not None and image.image_size != (image_size, image_size):
         if image.image_size is None:
@@ -129,13 +153,14 @@ def adapt_classifier(config: dict[str, Any], state_dict: dict[str, Tensor], imag
         image = ImageTokenizer(**{**image.config(), "image_size": image_size})
         if trunk.positions == "learned_1d":
             state[POSITION_TABLE] = resample_position_table(state[POSITION_TABLE], old_grid,
-                                                            image.grid_size(image_size, image_size), int(image.cls))
+                                                            image.grid_size(image_size, image_size), int(image.cls),
+                                                            position_rule(config))
             trunk = replace(trunk, max_positions=state[POSITION_TABLE].shape[0])
     new_head = n_classes is not None and n_classes != head["n_classes"]
     if new_head:
         head["n_classes"] = n_classes
         state = {k: v for k, v in state.items() if not k.startswith("head.proj.")}
-    model = ImageClassifier(image, trunk, **head)
+    model = ImageClassifier(image, trunk, **head, carried=config.get("carried"))
     missing, unexpected = model.load_state_dict(state, strict=False)
     if unexpected or set(missing) != ({"head.proj.weight", "head.proj.bias"} if new_head else set()):
         raise ValueError(f"the state dict does not fit the image classifier: missing {sorted(missing)}, "

@@ -91,17 +91,39 @@ def test_converted_logits_equal_hf(overrides, tmp_path, capsys):
 
 def test_a_vit_model_backbone_is_a_classifier_without_classes(tmp_path):
     """ViTModel (no classifier, a pooler off the classification path): the trunk's hidden states are HF's
-    last_hidden_state; recipes/vit.py's init gives it this run's head (zero: the uniform prediction)."""
+    last_hidden_state; the pooler is carried as it is; recipes/vit.py's init gives it this run's head (zero: the
+    uniform prediction)."""
     peer = hf_vit(seed=4, cls=ViTModel)
     peer.save_pretrained(tmp_path / "hf")
     config, state_dict, tokenizers = read_model(tmp_path / "hf")
-    assert config["head"]["n_classes"] == 0 and not any(k.startswith("pooler") for k in state_dict)
+    assert config["head"]["n_classes"] == 0 and config["carried"] == {"pooler.dense.bias": [64],
+                                                                       "pooler.dense.weight": [64, 64]}
+    assert torch.equal(state_dict["carried.pooler/dense/weight"], peer.pooler.dense.weight)
     model = adapt_classifier(config, state_dict, tokenizers["image"], image_size=32, n_classes=3).eval()
     x = images(2)
     with torch.no_grad():
         expected = peer((x - 0.5) / 0.5).last_hidden_state
         assert max_diff(expected, model.forward_features(x)) <= 1e-4
         assert torch.equal(model(x), torch.zeros(2, 3))
+
+
+@pytest.mark.parametrize("size", [48, 24, 40], ids=["up-4to6", "down-4to3", "up-4to5"])
+def test_another_image_size_resamples_positions_as_hf(tmp_path, size):
+    """A HF ViT fine-tuned at another image size (recipes/vit.py init=, omni.vision.adapt_classifier) resamples its
+    position table by HF's rule (bicubic, no antialiasing): its logits are HF's with interpolate_pos_encoding=True.
+    timm's rule (antialiased bicubic) is another function: those logits would differ."""
+    from omni.vision import POSITION_TABLE, resample_position_table
+
+    peer = hf_vit(seed=14)
+    peer.save_pretrained(tmp_path / "hf")
+    config, state_dict, tokenizers = read_model(tmp_path / "hf")
+    model = adapt_classifier(config, state_dict, tokenizers["image"], image_size=size).eval()
+    x = images(3, size=size)
+    with torch.no_grad():
+        expected = peer((x - 0.5) / 0.5, interpolate_pos_encoding=True).logits
+    assert max_diff(expected, omni_logits(model, x)) <= 1e-4
+    timm_rule = resample_position_table(state_dict[POSITION_TABLE], (4, 4), (size // 8,) * 2, 1, "timm")
+    assert max_diff(timm_rule, model.state_dict()[POSITION_TABLE]) > 1e-2
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -153,19 +175,29 @@ def test_shortest_edge_and_centre_crop_is_policy_crop(tmp_path):
 
 
 def test_hf_to_omni_to_hf_is_bit_exact(tmp_path):
+    """Every tensor comes back bit for bit, a ViTModel's pooler included; a ViTModel as transformers 5 saves it
+    (no id2label in its config.json) goes back without one, and gives HF's pooler_output again."""
+    bare = o1(ViTModel(ViTConfig(**SMALL)), seed=13)  # ViTConfig's own num_labels: config.json has no id2label
     for name, peer in (("cls", hf_vit(seed=7)), ("no-bias", hf_vit(seed=8, qkv_bias=False)),
-                       ("backbone", hf_vit(seed=9, cls=ViTModel))):
+                       ("backbone", hf_vit(seed=9, cls=ViTModel)), ("bare-backbone", bare)):
         peer.save_pretrained(tmp_path / name)
         assert omni_main(["convert", str(tmp_path / name), str(tmp_path / f"{name}-omni")]) == 0
         assert omni_main(["convert", "--to", "hf", str(tmp_path / f"{name}-omni"), str(tmp_path / f"{name}-back")]) == 0
         original = load_file(str(tmp_path / name / "model.safetensors"))
-        original = {k: v for k, v in original.items() if not k.startswith("pooler.")}  # not on the classifier's path
         back = load_file(str(tmp_path / f"{name}-back" / "model.safetensors"))
         assert set(back) == set(original), name
         assert all(torch.equal(back[k], v) for k, v in original.items()), name
         settings = json.loads((tmp_path / f"{name}-back" / "config.json").read_text())
         assert settings["qkv_bias"] == (name != "no-bias") and settings["architectures"] == \
             [type(peer).__name__]
+        source = json.loads((tmp_path / name / "config.json").read_text())
+        assert settings.get("id2label") == source.get("id2label"), name
+    assert "id2label" not in json.loads((tmp_path / "bare-backbone" / "config.json").read_text())
+    again = ViTModel.from_pretrained(tmp_path / "bare-backbone-back").eval()
+    x = images(2)
+    with torch.no_grad():
+        expected, got = bare((x - 0.5) / 0.5).pooler_output, again((x - 0.5) / 0.5).pooler_output
+    assert torch.equal(got, expected) and expected.abs().max() > 0.1
 
 
 def test_an_omni_model_in_hfs_format_gives_its_logits(tmp_path):

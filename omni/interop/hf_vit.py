@@ -24,8 +24,9 @@ the query, key and value projections kept apart and its own names.
 
 ViTForImageClassification checkpoints carry the prefix "vit."; ViTModel checkpoints (backbones) have none and no
 classifier: they become a classifier with no classes, which ``recipes/vit.py --set init=`` gives this run's head.
-Their pooler (dense + tanh on the CLS row) is not on the classification path (ViTForImageClassification does
-not have it) and is left out. Names as transformers 5 builds them in memory (layers.i.attention.q_proj, ...)
+Their pooler (dense + tanh on the CLS row; ViTForImageClassification has none) and mask token are not on the
+classification path: they are carried (``ImageClassifier(carried=...)``, state dict ``carried.pooler/dense/weight``
+...) and written back, so HF -> omni -> HF gives every tensor back bit for bit. Names as transformers 5 builds them in memory (layers.i.attention.q_proj, ...)
 are read too; files are written with the checkpoint names above, as ``save_pretrained`` writes them.
 
 Trunk: activation "gelu" (erf) for hidden_act gelu, "gelu_tanh" for gelu_new / gelu_pytorch_tanh, "relu";
@@ -91,7 +92,7 @@ RUNTIME_NAMES = ((r"^layers\.(\d+)\.attention\.q_proj\.", r"encoder.layer.\1.att
                  (r"^layers\.(\d+)\.mlp\.fc1\.", r"encoder.layer.\1.intermediate.dense."),
                  (r"^layers\.(\d+)\.mlp\.fc2\.", r"encoder.layer.\1.output.dense."),
                  (r"^layers\.(\d+)\.", r"encoder.layer.\1."))
-IGNORED = ("pooler.", "embeddings.mask_token")  # ViTModel's pooler and mask token: not on the classifier's path
+CARRIED = ("pooler.", "embeddings.mask_token")  # ViTModel's pooler and mask token: off the classifier's path, carried
 
 
 def checkpoint_name(key: str) -> str:
@@ -198,10 +199,12 @@ def from_hf(state_dict: Mapping[str, Tensor], hf_config: Mapping[str, Any],
         raise ValueError(f"{other[0]} is not converted (omni converts {' and '.join(ARCHITECTURES)})")
     trunk, image = trunk_config(hf_config), image_tokenizer(hf_config, processor)
     sd = {checkpoint_name(k): v for k, v in state_dict.items()}
-    sd = {k: v for k, v in sd.items() if not k.startswith(IGNORED)}
+    carried = {k: v for k, v in sd.items() if k.startswith(CARRIED)}
+    sd = {k: v for k, v in sd.items() if k not in carried}
     n_classes = sd["classifier.weight"].shape[0] if "classifier.weight" in sd else 0
     with torch.device("meta"):  # names and shapes only
-        classifier = ImageClassifier(image, trunk, n_classes, pool="cls", norm_eps=None)
+        classifier = ImageClassifier(image, trunk, n_classes, pool="cls", norm_eps=None,
+                                     carried={k: list(v.shape) for k, v in sorted(carried.items())})
     target = {k: v.shape for k, v in classifier.state_dict().items()}
     pairs = tensor_names(trunk.n_layers, bool(hf_config.get("qkv_bias", True)), n_classes > 0)
     expected = {h for _, hf in pairs for h in ((hf,) if isinstance(hf, str) else hf)}
@@ -216,6 +219,7 @@ def from_hf(state_dict: Mapping[str, Tensor], hf_config: Mapping[str, Any],
             raise ValueError(f"{shown}: shape {tuple(sd[shown].shape)} does not fit the config "
                              f"(omni {key}: {tuple(target[key])})")
         out[key] = layout(key, tensor, target[key], False, image)
+    out.update({f"carried.{k.replace('.', '/')}": v for k, v in carried.items()})
     for key, shape in target.items():
         out.setdefault(key, torch.zeros(shape))  # the type embedding; qkv biases when qkv_bias is false
     config = {**classifier.export_config(_class_names(hf_config, n_classes)),
@@ -301,6 +305,10 @@ def to_hf(config: Mapping[str, Any], state_dict: Mapping[str, Tensor], image: Im
         else:
             for name, part in zip(hf, state_dict[key].chunk(3)):
                 sd[name] = part.detach().to("cpu", copy=True).contiguous()
+    # the pooler and mask token as they came, for a ViTModel (ViTForImageClassification has neither)
+    for name in (config.get("carried") or {}) if n_classes == 0 else ():
+        if name.startswith(CARRIED):
+            sd[name] = state_dict[f"carried.{name.replace('.', '/')}"].detach().to("cpu", copy=True).contiguous()
     kind = state_dict[TYPE_EMBEDDING].reshape(-1)  # HF has no type embedding: it goes into every token
     sd["embeddings.patch_embeddings.projection.bias"] = sd["embeddings.patch_embeddings.projection.bias"] + kind
     sd["embeddings.cls_token"] = sd["embeddings.cls_token"] + kind
@@ -308,8 +316,11 @@ def to_hf(config: Mapping[str, Any], state_dict: Mapping[str, Tensor], image: Im
         sd = {k if k == "classifier.weight" or k == "classifier.bias" else f"vit.{k}": v for k, v in sd.items()}
     act = source_cfg.get("hidden_act")  # kept where it names the same function (gelu_new)
     names = config.get("class_names")
-    labels = {str(i): n for i, n in enumerate(names)} if names else \
-        source_cfg.get("id2label") if len(source_cfg.get("id2label") or {}) == n_classes else \
+    # the source's labels where they fit (a backbone keeps its own, or none: transformers 5 writes no id2label for
+    # a ViTModel), else the export's class names, else HF's placeholders
+    theirs = source_cfg.get("id2label")
+    source_labels = isinstance(theirs, dict) and not names and (n_classes == 0 or len(theirs) == n_classes)
+    labels = {str(i): n for i, n in enumerate(names)} if names else None if source_labels or not n_classes else \
         {str(i): f"LABEL_{i}" for i in range(n_classes)}
     hf_config = {**source_cfg, "model_type": MODEL_TYPE,
                  "architectures": ["ViTForImageClassification" if n_classes else "ViTModel"],
@@ -317,8 +328,11 @@ def to_hf(config: Mapping[str, Any], state_dict: Mapping[str, Tensor], image: Im
                  "intermediate_size": int(trunk.mlp_ratio * d),
                  "hidden_act": act if ACTIVATIONS.get(act) == trunk.activation else HF_ACTIVATIONS[trunk.activation],
                  "layer_norm_eps": trunk.norm_eps, "image_size": size, "patch_size": image.patch_size,
-                 "num_channels": image.channels, "qkv_bias": qkv_bias, "hidden_dropout_prob": trunk.dropout,
-                 "id2label": labels, "label2id": {n: int(i) for i, n in labels.items()}}
+                 "num_channels": image.channels, "qkv_bias": qkv_bias, "hidden_dropout_prob": trunk.dropout}
+    if not source_labels:
+        hf_config.pop("id2label", None), hf_config.pop("label2id", None)
+    if labels is not None:
+        hf_config.update(id2label=labels, label2id={n: int(i) for i, n in labels.items()})
     hf_config.setdefault("attention_probs_dropout_prob", 0.0)
     hf_config.pop("head_dim", None)  # = hidden_size / num_attention_heads, the default (from_hf checked)
     processor = {**source.get("processor", {}), **processor_config(image)} if source_cfg else processor_config(image)
