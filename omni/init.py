@@ -4,8 +4,10 @@
                        "a Hugging Face DecisionTransformerModel directory")       # (config, state dict, tokenizers)
     fresh = load_init(model, source[1], path, new=lambda key: key.startswith("heads."))
 
-``read_init`` reads PATH (``omni.interop.read_model``: an export as it is, a peer checkpoint converted) and refuses,
-in one line naming PATH, a model of another kind than the recipe trains. ``load_init`` puts its tensors into the
+``read_init`` reads PATH (``omni.interop.read_model``: an export as it is, a peer checkpoint converted; a training run's
+directory is its export ``final/``, resolved as ``omni predict`` resolves it, by ``omni.export.resolve_export_dir``)
+and refuses, in one line naming PATH, a model of another kind than the recipe trains (or a run's checkpoint, naming
+the run's export). ``load_init`` puts its tensors into the
 model the recipe built from it: every tensor must be there with its shape, except those ``new`` allows (a head
 for another class count, a head the source has not), which keep their fresh initialisation and are returned.
 The recipes' own fitting (omni.vision.adapt_classifier for recipes/vit.py; ``init_decision_transformer``,
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import replace
+from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from torch import Tensor, nn
@@ -34,10 +37,23 @@ SPEECH_BUILDER = "omni.speech:build_speech_recognizer"  # SpeechRecognizer: reci
 def read_init(path: str | os.PathLike, builders: str | tuple[str, ...], recipe: str, takes: str,
               **options: Any) -> Export:
     """(config, state dict, tokenizers) of ``path``; ValueError (one line) when it is not a model of one of
-    ``builders`` (``takes`` says what ``recipe`` starts from) or cannot be read."""
+    ``builders`` (``takes`` says what ``recipe`` starts from) or cannot be read. A run directory is read as its
+    export (printed); a run's checkpoint is refused naming the run's export (as ``omni predict`` does)."""
+    from omni.export import (CHECKPOINT_MARKER, CONFIG_NAME, RUN_CHECKPOINT_DIR, RUN_EXPORT_DIR,
+                             resolve_export_dir)
     from omni.interop import ConversionError, read_model
 
     builders = (builders,) if isinstance(builders, str) else builders
+    given, folder = path, Path(path)
+    run = folder.is_dir() and not (folder / CONFIG_NAME).is_file() and (
+        (folder / RUN_EXPORT_DIR).exists() or (folder / RUN_CHECKPOINT_DIR).is_dir()
+        or (folder / CHECKPOINT_MARKER).is_file() or folder.parent.name == RUN_CHECKPOINT_DIR)
+    if run:  # a training run or one of its checkpoints, not a model: predict's resolver says which export
+        try:
+            path = resolve_export_dir(path)
+        except FileNotFoundError as exc:  # a checkpoint, an unfinished run: where its export is, or why none
+            raise ValueError(f"init: {exc}") from exc
+        print(f"init {given}: using the export {path} of the run directory", flush=True)
     try:
         source = read_model(path, **options)
     except ConversionError as exc:  # its message names the file already, or says which

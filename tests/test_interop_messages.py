@@ -50,3 +50,45 @@ def test_from_timm_on_a_hugging_face_directory_says_what_it_is(tmp_path, capsys)
     err = cli_error(["convert", str(src), str(tmp_path / "out"), "--from", "timm"], capsys)
     assert 'names no timm "architecture": --from timm reads a timm hub directory' in err, err
     assert "unknown" not in err and "None" not in err
+
+
+# ----------------------------------------------------------------------------------------------------
+# init= a run directory or one of its checkpoints: resolved as `omni predict` resolves them
+
+
+def tiny_classifier_export(path, n_classes: int = 3, class_names=None):
+    from omni.export import save_pretrained
+    from omni.tokenizers.image import ImageTokenizer
+    from omni.trunk import TrunkConfig
+    from omni.vision import ImageClassifier
+
+    image = ImageTokenizer(8, channels=1, image_size=16, policy="resize")
+    torch.manual_seed(0)
+    model = ImageClassifier(image, TrunkConfig(d_model=16, n_layers=1, n_heads=2), n_classes)
+    torch.nn.init.normal_(model.head.proj.weight)
+    return save_pretrained(model, path, model.export_config(class_names), tokenizers={"image": image})
+
+
+def test_init_a_run_directory_is_its_export_and_a_checkpoint_names_it(tmp_path, capsys):
+    from omni.init import read_init
+    from omni.vision import BUILDER
+
+    export = tiny_classifier_export(tmp_path / "run" / "final")
+    step = tmp_path / "run" / "checkpoints" / "step-2"
+    step.mkdir(parents=True)
+    (step / "COMPLETE").write_text("")
+    config, state, tokenizers = read_init(tmp_path / "run", BUILDER, "recipes/vit.py", "an image classifier")
+    assert config["builder"] == BUILDER and set(tokenizers) == {"image"}
+    from safetensors.torch import load_file
+
+    assert all(torch.equal(state[k], v) for k, v in load_file(str(export / "model.safetensors")).items())
+    assert f"init {tmp_path / 'run'}: using the export {export} of the run directory" in capsys.readouterr().out
+    with pytest.raises(ValueError, match=r"^init: .*step-2 is a training checkpoint \(optimizer, RNG and data state "
+                                         rf"for resuming\), not an export; its export is {export}$"):
+        read_init(step, BUILDER, "recipes/vit.py", "an image classifier")
+    (tmp_path / "unfinished" / "checkpoints").mkdir(parents=True)
+    with pytest.raises(ValueError, match=r"is a run directory; the run .*unfinished has no export yet"):
+        read_init(tmp_path / "unfinished", BUILDER, "recipes/vit.py", "an image classifier")
+    (tmp_path / "other").mkdir()  # any other folder: the converters' message, as before
+    with pytest.raises(ValueError, match="not a checkpoint any converter recognises"):
+        read_init(tmp_path / "other", BUILDER, "recipes/vit.py", "an image classifier")
