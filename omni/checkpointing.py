@@ -192,6 +192,7 @@ def _read_checkpoint(ckpt: Path) -> tuple[dict[str, Any], dict[str, tuple[int, .
     from safetensors import SafetensorError, safe_open
 
     _export.verify_checksums(ckpt)
+    _check_rng_states(ckpt)
     path = ckpt / TRAINER_STATE
     try:
         meta = json.loads(path.read_text())
@@ -202,6 +203,85 @@ def _read_checkpoint(ckpt: Path) -> tuple[dict[str, Any], dict[str, tuple[int, .
             return meta, {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
     except (OSError, ValueError, SafetensorError) as exc:
         raise IntegrityError(f"{path} is unreadable ({exc})") from exc
+
+
+def _check_rng_states(ckpt: Path) -> None:
+    """IntegrityError naming a ``random_states_<rank>.pkl`` that Accelerate could not restore: its load_state
+    swallows any failure there (logged at info level), and a resumed run would go on with the wrong random
+    streams. Read with Accelerate's own loader (weights_only), applied, then this process's streams put back."""
+    import random
+
+    import numpy as np
+    import torch
+    from accelerate.utils import load
+
+    for path in sorted(ckpt.glob("random_states_*.pkl")):
+        kept = random.getstate(), np.random.get_state(), torch.get_rng_state()
+        try:
+            states = load(path)
+            random.setstate(states["random_state"])
+            np.random.set_state(states["numpy_random_seed"])
+            torch.set_rng_state(states["torch_manual_seed"])
+            cuda = states.get("torch_cuda_manual_seed", [])
+            if not (isinstance(cuda, list) and all(isinstance(t, torch.Tensor) and t.dtype == torch.uint8
+                                                   for t in cuda)):
+                raise ValueError("torch_cuda_manual_seed is not a list of uint8 tensors")
+        except Exception as exc:  # anything Accelerate would swallow
+            raise IntegrityError(f"{path} is not an RNG state this run can restore ({type(exc).__name__}: "
+                                 f"{' '.join(str(exc).split())[:300]})") from exc
+        finally:
+            random.setstate(kept[0])
+            np.random.set_state(kept[1])
+            torch.set_rng_state(kept[2])
+
+
+_MANIFEST = "manifest.json"  # omni.data.shards.MANIFEST_NAME (the data layer sits above this one)
+
+
+def dataset_identities(config: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """{flattened key: identity} of every config value that names an omni dataset (a folder holding
+    manifest.json, or that file): where it is, when it was built, and ``content``, a sha256 over its splits'
+    shard names, sizes and sha256s (a rebuild of the same samples is the same dataset; another one is not,
+    whatever its size). Recorded in every checkpoint and compared on resume."""
+    import hashlib
+
+    found: dict[str, dict[str, Any]] = {}
+    for key, value in config.items():
+        if key.startswith("export.") or not isinstance(value, str) or not value.strip() or len(value) > 4096:
+            continue
+        path = Path(value)
+        manifest = path if path.name == _MANIFEST else path / _MANIFEST
+        try:
+            if not manifest.is_file():
+                continue
+            data = json.loads(manifest.read_text(encoding="utf-8"))
+        except (OSError, ValueError):  # not a dataset (or unreadable: the data reader says so)
+            continue
+        if not isinstance(data, dict) or not isinstance(data.get("splits"), dict):
+            continue
+        shards = {split: [[s.get("name"), s.get("bytes"), s.get("sha256")] for s in rec.get("shards", [])
+                          if isinstance(s, dict)]
+                  for split, rec in data["splits"].items() if isinstance(rec, dict)}
+        content = hashlib.sha256(json.dumps(shards, sort_keys=True).encode()).hexdigest()
+        found[key] = {"path": str(manifest.resolve().parent), "created": data.get("created"), "content": content}
+    return found
+
+
+def _tree_bytes(path: Path | None) -> int:
+    """Bytes of the files below ``path`` (0 if it is gone)."""
+    if path is None or not path.is_dir():
+        return 0
+    total = 0
+    for p in path.rglob("*"):
+        try:
+            total += p.stat().st_size if p.is_file() else 0
+        except OSError:  # removed meanwhile
+            pass
+    return total
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB" if n >= 0 else "unknown space"
 
 
 def _set_aside(ckpt: Path) -> Path:
@@ -243,16 +323,25 @@ class Checkpointer:
         try:
             self._write(tmp, final, step)
         except Exception as exc:
-            if not _export.is_disk_full(exc):
-                raise
-            if acc.is_main_process:
-                shutil.rmtree(tmp, ignore_errors=True)  # useless now, and removing it frees the space it took
+            written, full = _tree_bytes(tmp), _export.is_disk_full(exc, self.root)  # before space is freed
+            if acc.is_main_process:  # useless now, and removing it frees the space it took
+                shutil.rmtree(tmp, ignore_errors=True)
             previous = latest_checkpoint(self.output_dir)
             kept = f"the previous checkpoint {previous} is intact" if previous else "there is no earlier checkpoint"
-            raise DiskFullError(errno.ENOSPC, f"disk full (no space left on device) while writing checkpoint {final} "
-                                f"(at {getattr(exc, 'filename', None) or tmp}); the partial checkpoint was removed "
-                                f"and {kept}: free space on {self.root} and run again (it resumes from "
-                                "there)") from exc
+            if full:
+                # the previous checkpoint's size, else the weights plus Adam's two moments (and what was written)
+                model = sum(t.numel() * t.element_size() for t in self.model.state_dict().values())
+                need = (f"a checkpoint of this run takes about {_mib(_tree_bytes(previous))}" if previous else
+                        f"a checkpoint of this run needs about {_mib(max(written, 3 * model))}")
+                raise DiskFullError(errno.ENOSPC, f"disk full (no space left on device) while writing checkpoint "
+                                    f"{final} (at {getattr(exc, 'filename', None) or tmp}); the partial checkpoint "
+                                    f"was removed and {kept}: {need}, {_mib(_export.free_bytes(self.root))} are free "
+                                    f"on {self.root}; free space and run again (it resumes from there)") from exc
+            if (denied := _export.not_writable(exc)) is not None:
+                raise denied(f"cannot write checkpoint {final}: {self.root} is not writable "
+                             f"({exc.strerror if isinstance(exc, OSError) else exc}); {kept}. Make it writable, or "
+                             "use another output directory (--out)") from exc
+            raise
         if acc.is_main_process and self.config.keep_checkpoints > 0:  # only now that the new one is complete
             for _, old in list_checkpoints(self.output_dir)[:-self.config.keep_checkpoints]:
                 _remove_dir(old)
@@ -273,10 +362,12 @@ class Checkpointer:
             _export.write_json(tmp / TRAINER_STATE, {
                 "step": step, "world_size": acc.num_processes, "compile": self.config.compile,
                 "train_prepared": self.data.prepared, "config": self.config.to_dict(),
-                "run_config": self.run_config, "time": time.time()})
+                "run_config": self.run_config, "datasets": dataset_identities(self.run_config),
+                _export.CHECKSUMS_KEY: _export.CHECKSUMS_NAME, "time": time.time()})
             _export.write_checksums(tmp)  # every rank's files are in by now
             _export.fsync_tree(tmp)
-            _export.write_json(tmp / COMPLETE_MARKER, {"step": step})
+            # says checksums.json exists: a checkpoint that lost it is refused, not read unchecked
+            _export.write_json(tmp / COMPLETE_MARKER, {"step": step, _export.CHECKSUMS_KEY: _export.CHECKSUMS_NAME})
             _export.fsync_dir(tmp)
             if final.exists():  # a checkpoint of this step from an earlier (non-resumed) run
                 _remove_dir(final)
@@ -333,6 +424,7 @@ class Checkpointer:
                 continue
             changed = self._compare_config(ckpt, meta)
             self._check_shapes(ckpt, shapes)
+            self._compare_datasets(ckpt, meta)
             for bad, why in corrupt:
                 warnings.warn(f"omni.train: {why}; resuming from the previous intact checkpoint {ckpt} instead "
                               f"({bad.name} is kept as {_set_aside(bad).name})", stacklevel=3)
@@ -400,6 +492,28 @@ class Checkpointer:
             print(f"omni.train: {going_on}:\n  " + "\n  ".join(differences), flush=True)
         return bool(differences)
 
+    def _compare_datasets(self, ckpt: Path, meta: Mapping[str, Any]) -> None:
+        """ResumeMismatchError (resume="auto"; printed under "force") when a dataset the checkpoint was trained
+        on (``dataset_identities``) holds other shards now, the same path and config notwithstanding: a
+        rebuilt or replaced dataset, on which resuming would continue other samples at the saved position."""
+        old = meta.get("datasets")
+        if not isinstance(old, Mapping):  # written before datasets were recorded
+            return
+        now = dataset_identities(self.run_config)
+        lines = [f"{key}: the checkpoint was trained on {o.get('path')} (built {o.get('created')}, content "
+                 f"{str(o.get('content'))[:12]}), which now holds {now[key]['path']} (built {now[key]['created']}, "
+                 f"content {now[key]['content'][:12]})"
+                 for key, o in sorted(old.items()) if isinstance(o, Mapping) and key in now
+                 and o.get("content") != now[key]["content"]]
+        if lines and self.config.resume == "auto":
+            raise ResumeMismatchError(
+                f"{self.output_dir} holds a run trained on another dataset (checkpoint {ckpt}): " + "; ".join(lines)
+                + ". It was rebuilt or replaced since: put the original dataset back, pass resume='force' "
+                "(recipes: --set resume=force) to continue on this one anyway, or train anew in another output "
+                "directory (--out).")
+        if lines:
+            print(f"omni.train: resume='force': resuming {ckpt} on another dataset: " + "; ".join(lines), flush=True)
+
     def _check_shapes(self, ckpt: Path, shapes: Mapping[str, tuple[int, ...]] | None) -> None:
         """ResumeMismatchError naming every tensor whose checkpoint shape is not the model's, before
         anything is loaded (whatever ``resume`` says: the weights cannot go into this model)."""
@@ -454,4 +568,4 @@ class Checkpointer:
 
 __all__ = ["CHECKPOINT_DIR", "COMPLETE_MARKER", "Checkpointer", "DiskFullError", "EXPORT_DIR", "IntegrityError",
            "RESULTS_NAME", "RUN_CONFIG_NAME", "RESUME_IGNORED", "RESUME_MODES", "ResumeMismatchError", "RunExistsError", "TRAINER_STATE",
-           "config_differences", "flatten_config", "latest_checkpoint", "list_checkpoints", "on_main", "run_config"]
+           "config_differences", "dataset_identities", "flatten_config", "latest_checkpoint", "list_checkpoints", "on_main", "run_config"]

@@ -54,9 +54,12 @@ def test_export_records_checksums_and_a_flipped_byte_is_named(tmp_path):
 
 def test_export_without_checksums_loads_and_damaged_files_are_named(tmp_path):
     """Exports written before checksums load unchecked; a truncated or invalid file still names itself."""
+    from safetensors.torch import save_model
+
     model = W.make_mlp(2)
     save_pretrained(model, tmp_path / "m", MLP_CONFIG)
-    (tmp_path / "m" / CHECKSUMS_NAME).unlink()  # as written before this change
+    (tmp_path / "m" / CHECKSUMS_NAME).unlink()  # as written before checksums: no marker in the weights either
+    save_model(model, str(tmp_path / "m" / "model.safetensors"), metadata={"format": "pt"})
     assert verify_checksums(tmp_path / "m") is False
     back = load_pretrained(tmp_path / "m")
     assert all(torch.equal(a, b) for a, b in zip(back.state_dict().values(), model.state_dict().values()))
@@ -146,7 +149,12 @@ def test_checkpoint_from_before_checksums_with_truncated_weights_is_named(tmp_pa
     """No checksums.json (written before them): a damaged file is still caught when it is read, and named."""
     _stopped_run(tmp_path)
     for step in (2, 4):
-        (tmp_path / "checkpoints" / f"step-{step:06d}" / CHECKSUMS_NAME).unlink()
+        ckpt = tmp_path / "checkpoints" / f"step-{step:06d}"
+        (ckpt / CHECKSUMS_NAME).unlink()
+        (ckpt / "COMPLETE").write_text(json.dumps({"step": step}))
+        state = json.loads((ckpt / "trainer_state.json").read_text())
+        del state["omni_checksums"]
+        (ckpt / "trainer_state.json").write_text(json.dumps(state))
     weights = tmp_path / "checkpoints" / "step-000004" / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:100])
     with pytest.warns(UserWarning, match=rf"{weights} is unreadable .*resuming from the previous intact checkpoint"):

@@ -81,7 +81,25 @@ def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
     version = manifest.get("format_version")
     if version != FORMAT_VERSION:
         raise DatasetError(f"{file} has format_version {version!r}; this omni reads version {FORMAT_VERSION}")
+    for split, record in manifest["splits"].items():
+        shards = record.get("shards") if isinstance(record, dict) else None
+        if not isinstance(shards, list) or not all(isinstance(s, dict) for s in shards):
+            raise DatasetError(f"{file}: split {split!r} has no 'shards' list of objects")
+        for shard in shards:
+            _check_shard_name(file, split, shard.get("name"))
     return manifest
+
+
+def _check_shard_name(file: Path, split: str, name: Any) -> None:
+    """A manifest may only name files inside its dataset folder: a relative path without ``..`` (a manifest
+    someone else wrote must not make a reader open, hash or train on files elsewhere on the machine)."""
+    if not isinstance(name, str) or not name:
+        raise DatasetError(f"{file}: split {split!r} lists a shard without a 'name' ({name!r})")
+    parts = name.replace("\\", "/").split("/")
+    if name.startswith(("/", "\\", "~")) or re.match(r"^[A-Za-z]:", name) or ".." in parts or "\0" in name:
+        raise DatasetError(f"{file}: split {split!r} lists the shard {name!r}, outside the dataset folder "
+                           f"{file.parent}; a manifest names its shards relative to its folder (no '..', no "
+                           "absolute paths)")
 
 
 def shard_urls(dataset_dir: str | os.PathLike, split: str, *, check_sha256: bool = False) -> list[str]:
