@@ -320,6 +320,40 @@ def _convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def _generation_head(config: dict[str, Any], checkpoint: Path, head: str | None) -> str | None:
+    """The head ``omni generate`` continues text with: ``head`` when it is one of the export's text LM heads, else
+    its only one; None where the export has no "lm" head at all (``load_lm`` then says what the export is).
+    UsageError (one line listing the heads that generate) for a head that is no text LM: a transcribe task's CTC
+    head and its audio-conditioned text head are "lm" heads too, but only an LM task's head continues text."""
+    heads = {n: s for n, s in (config.get("heads") or {}).items() if isinstance(s, dict)}
+    tasks = {n: t for n, t in (config.get("tasks") or {}).items() if isinstance(t, dict)}
+    lm = [n for n, s in heads.items() if s.get("type") == "lm"]
+    if not lm:
+        return head  # not a text LM export: load_lm's message
+    # an export that records its tasks (recipes, converted GPT-2s): the heads of its LM tasks; else every LM head
+    valid = [n for n in lm if tasks.get(n, {}).get("kind") == "lm"] if tasks else lm
+
+    def what(name: str) -> str:
+        transcriber = next((t for t, task in tasks.items() if task.get("kind") == "transcribe"
+                            and name == f"{t}_ctc"), None)  # omni.tasks.TranscribeTask names its CTC head so
+        if name not in heads:
+            return "no head of that name"
+        if transcriber is not None:
+            return f"the CTC head of the transcribe task {transcriber!r} (audio frames -> characters)"
+        if name in tasks:
+            return f"the head of the {tasks[name].get('kind')} task {name!r}"
+        return f"a {heads[name].get('type')!r} head"
+
+    listed = f"the text LM heads of {checkpoint}: {', '.join(valid) or 'none'}"
+    if head is not None and head not in valid:
+        raise UsageError(f"--head {head}: {what(head)}, which does not generate text; {listed}")
+    if head is None and len(valid) != 1:
+        raise UsageError(f"{checkpoint} has several text LM heads: name one with --head ({', '.join(valid)})"
+                         if valid else f"{checkpoint} has no text LM head to generate with; its LM heads are "
+                         + "; ".join(f"{n}: {what(n)}" for n in lm))
+    return head or valid[0]
+
+
 def _generate(args: argparse.Namespace) -> int:
     """omni generate --checkpoint EXPORT PROMPT...: each prompt's continuation by a text LM export, greedy (Hugging
     Face's do_sample=False) or sampled with --temperature (and --top-k, --seed)."""
@@ -334,7 +368,10 @@ def _generate(args: argparse.Namespace) -> int:
             print(f"omni generate: using the export {checkpoint} of the run directory {args.checkpoint}",
                   file=sys.stderr)
         device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-        lm = load_lm(checkpoint, device=device, head=args.head)
+        from omni.export import load_config
+
+        head = _generation_head(load_config(checkpoint), checkpoint, args.head)
+        lm = load_lm(checkpoint, device=device, head=head)
     except _export_errors() as exc:  # not an export, not a text LM, damaged files
         message = one_line(exc)
         raise UsageError(message if str(args.checkpoint) in message
@@ -464,7 +501,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="0: greedy (default); > 0: sample from softmax(logits / temperature)")
     p.add_argument("--top-k", type=_positive_int, default=None, help="sample among the k most likely tokens only")
     p.add_argument("--seed", type=int, default=None, help="seed of the sampling (default: a fresh one)")
-    p.add_argument("--head", default=None, help="the LM head to use, when the export has several")
+    p.add_argument("--head", default=None, help="the text LM head to use (an LM task's), when the export has several")
     p.add_argument("prompts", nargs="+", metavar="prompt", help="text to continue ('' starts a new document)")
     p.set_defaults(func=_generate)
     from omni.data.cli import add_data_commands, add_tokenizer_commands

@@ -92,3 +92,47 @@ def test_init_a_run_directory_is_its_export_and_a_checkpoint_names_it(tmp_path, 
     (tmp_path / "other").mkdir()  # any other folder: the converters' message, as before
     with pytest.raises(ValueError, match="not a checkpoint any converter recognises"):
         read_init(tmp_path / "other", BUILDER, "recipes/vit.py", "an image classifier")
+
+
+# ----------------------------------------------------------------------------------------------------
+# omni generate --head: only a text LM head generates
+
+
+@pytest.fixture(scope="module")
+def lm_and_asr(tmp_path_factory):
+    """A multitask export with an LM task "text" and a transcribe task "asr" with a CTC head ("asr_ctc"): three
+    "lm" heads, one of which continues text."""
+    from omni.export import save_pretrained
+    from omni.multitask import LMTask, MultitaskModel, TranscribeTask, merge_tokenizers
+    from omni.tokenizers.audio import AudioTokenizer
+    from omni.tokenizers.text import TextTokenizer
+    from omni.trunk import preset
+
+    text = TextTokenizer()
+    clip = torch.randn(8000, generator=torch.Generator().manual_seed(0)) * 0.1
+    tasks = [LMTask("text", text, ["a short text to model"]),
+             TranscribeTask("asr", AudioTokenizer(), text, [clip], ["hello"], ctc_weight=0.3)]
+    torch.manual_seed(0)
+    model = MultitaskModel(tasks, preset("tiny", positions="rope")).eval()
+    return save_pretrained(model.omni, tmp_path_factory.mktemp("mm") / "final", model.export_config(),
+                           tokenizers=merge_tokenizers(tasks))
+
+
+def test_generate_head_must_be_a_text_lm_head(lm_and_asr, capsys):
+    export = lm_and_asr
+    config = json.loads((export / "config.json").read_text())
+    assert {n: h["type"] for n, h in config["heads"].items()} == {"text": "lm", "asr": "lm", "asr_ctc": "lm"}
+    base = ["generate", "--checkpoint", str(export), "--max-new-tokens", "2"]
+    err = cli_error([*base, "--head", "asr_ctc", "hi"], capsys, prog="omni generate")
+    assert err.endswith("--head asr_ctc: the CTC head of the transcribe task 'asr' (audio frames -> characters), "
+                        f"which does not generate text; the text LM heads of {export}: text"), err
+    err = cli_error([*base, "--head", "asr", "hi"], capsys, prog="omni generate")
+    assert "--head asr: the head of the transcribe task 'asr', which does not generate text" in err, err
+    err = cli_error([*base, "--head", "nope", "hi"], capsys, prog="omni generate")
+    assert "--head nope: no head of that name" in err, err
+    # no --head: the one text LM head (it was "several LM heads (text, asr, asr_ctc)")
+    assert omni_main([*base, "--format", "json", "hi"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert len(rows) == 1 and len(rows[0]["ids"]) == 2
+    assert omni_main([*base, "--head", "text", "--format", "json", "hi"]) == 0
+    assert json.loads(capsys.readouterr().out) == rows
