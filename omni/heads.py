@@ -24,6 +24,7 @@ from it (the export's "omni" builder and ``Task.make_heads`` both build through 
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable, ClassVar, Literal, Mapping, TypeVar
 
 import torch
@@ -135,9 +136,13 @@ class ClassificationHead(Head):
             raise ValueError(f"pool must be 'mean' or 'cls', got {pool!r}")
         self.pool, self.norm_eps = pool, norm_eps
         self.norm = nn.Identity() if norm_eps is None else nn.LayerNorm(d_model, eps=norm_eps)
-        self.proj = nn.Linear(d_model, n_classes)
-        nn.init.zeros_(self.proj.weight)  # start from uniform predictions (as big_vision's head)
-        nn.init.zeros_(self.proj.bias)
+        with warnings.catch_warnings():
+            # n_classes=0 (a converted backbone, HF's ViTModel, waiting for a run's head): torch warns that
+            # initialising its empty weight does nothing, which is all right here, on every conversion and load
+            warnings.filterwarnings("ignore", "Initializing zero-element tensors is a no-op", UserWarning)
+            self.proj = nn.Linear(d_model, n_classes)
+            nn.init.zeros_(self.proj.weight)  # start from uniform predictions (as big_vision's head)
+            nn.init.zeros_(self.proj.bias)
 
     def options(self) -> dict[str, Any]:
         eps = {} if self.norm_eps == HEAD_NORM_EPS else {"norm_eps": self.norm_eps}  # older specs stay as they were

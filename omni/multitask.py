@@ -61,9 +61,13 @@ class MultitaskModel(nn.Module):
                 self.omni.heads[name] = head
 
     def export_config(self) -> dict[str, Any]:
-        """config.json for ``omni.export.load_pretrained`` (the built-in "omni" builder) of ``self.omni``."""
-        return {**self.omni.export_config(),
-                "tasks": {t.name: {"kind": t.kind, "weight": t.weight} for t in self.tasks}}
+        """config.json for ``omni.export.load_pretrained`` (the built-in "omni" builder) of ``self.omni``: the heads,
+        and per task its kind, weight and, for a classify task that has them, its class names (``omni predict``)."""
+        def entry(t: Task) -> dict[str, Any]:
+            names = getattr(t, "class_names", None)
+            return {"kind": t.kind, "weight": t.weight, **({"class_names": list(names)} if names else {})}
+
+        return {**self.omni.export_config(), "tasks": {t.name: entry(t) for t in self.tasks}}
 
     def forward(self, batch: MixedBatch, mask: Any = None) -> tuple[Tensor, dict[str, Tensor]]:
         """Packed mixed batch -> (training loss, per-task metrics)."""

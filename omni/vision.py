@@ -288,7 +288,12 @@ def _image_classifier(checkpoint: str | Path, device: str
     else:
         raise ValueError(f"{checkpoint}: not an image classifier export (its builder {builder!r} "
                          f"makes a {type(model).__name__})")
-    return classify, tokenizer, config.get("class_names") or [str(i) for i in range(n_classes)], model, task
+    if n_classes == 0:  # a converted backbone (HF ViTModel): nothing to rank
+        raise ValueError(f"{checkpoint}: this export has no classifier head (a backbone, 0 classes): fine-tune it "
+                         "on labelled images first (recipes/vit.py --set init=...)")
+    names = (config["tasks"][task] if task is not None else config).get("class_names")
+    # without recorded names, the classes are their indices, printed as such ("class 3"), never a bare number
+    return classify, tokenizer, names or [f"class {i}" for i in range(n_classes)], model, task
 
 
 def _encode_file(tokenizer: ImageTokenizer, path: str | Path) -> Segment:

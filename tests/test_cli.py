@@ -283,7 +283,8 @@ def test_multitask_export_predicts_and_transcribes(multitask, tmp_path, capsys):
     with torch.no_grad():
         probs = model.omni.forward_head(model.omni(batch), batch, "image", "image")[0].softmax(-1)
     top = probs.topk(len(CLASSES))
-    assert [g["label"] for g in got] == [str(i) for i in top.indices.tolist()]  # no class names recorded
+    # no class names recorded: the indices, named as such
+    assert [g["label"] for g in got] == [f"class {i}" for i in top.indices.tolist()]
     assert np.allclose([g["probability"] for g in got], top.values.tolist(), atol=1e-6)
 
     clip = noise(0.7, 5)

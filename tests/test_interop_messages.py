@@ -136,3 +136,56 @@ def test_generate_head_must_be_a_text_lm_head(lm_and_asr, capsys):
     assert len(rows) == 1 and len(rows[0]["ids"]) == 2
     assert omni_main([*base, "--head", "text", "--format", "json", "hi"]) == 0
     assert json.loads(capsys.readouterr().out) == rows
+
+
+# ----------------------------------------------------------------------------------------------------
+# omni predict: the classes of a multitask export; a backbone has none
+
+
+def test_predict_names_a_multitask_exports_classes(tmp_path, capsys):
+    """A classify task given class names records them in the export (config.json tasks.<name>.class_names) and
+    `omni predict` prints them; without names it prints "class <index>"."""
+    import numpy as np
+    from PIL import Image
+
+    from omni.export import save_pretrained
+    from omni.multitask import ClassifyTask, MultitaskModel, merge_tokenizers
+    from omni.tokenizers.image import ImageTokenizer
+    from omni.trunk import preset
+
+    image = ImageTokenizer(patch_size=7, channels=1, image_size=28, policy="resize")
+    path = tmp_path / "a.png"
+    Image.fromarray(np.random.default_rng(0).integers(0, 256, (28, 28), dtype=np.uint8)).save(path)
+    with pytest.raises(ValueError, match="task 'image': 2 class names for 3 classes"):
+        ClassifyTask("image", image, [np.zeros((28, 28), np.uint8)], [0], 3, class_names=["ant", "bee"])
+    tops = {}
+    for names in (["ant", "bee", "cat"], None):
+        task = ClassifyTask("image", image, [np.zeros((28, 28), np.uint8)], [0], 3, class_names=names)
+        torch.manual_seed(0)
+        model = MultitaskModel([task], preset("tiny", positions="rope2d")).eval()
+        torch.nn.init.normal_(model.omni.heads["image"].proj.weight, std=1.0)
+        export = save_pretrained(model.omni, tmp_path / f"mm-{bool(names)}", model.export_config(),
+                                 tokenizers=merge_tokenizers([task]))
+        assert json.loads((export / "config.json").read_text())["tasks"]["image"].get("class_names") == names
+        assert omni_main(["predict", "--checkpoint", str(export), "--device", "cpu", "--format", "json",
+                          str(path)]) == 0
+        tops[bool(names)] = [g["label"] for g in json.loads(capsys.readouterr().out)[0]["top_k"]]
+    index = [int(label.removeprefix("class ")) for label in tops[False]]
+    assert sorted(index) == [0, 1, 2] and tops[True] == [["ant", "bee", "cat"][i] for i in index]
+
+
+def test_predict_on_a_backbone_export_says_it_has_no_classifier(tmp_path, capsys):
+    import warnings
+
+    from omni.interop import convert
+
+    with warnings.catch_warnings():  # a 0-class head once warned "Initializing zero-element tensors is a no-op"
+        warnings.simplefilter("error")
+        export = convert(hf_backbone(tmp_path / "hf"), tmp_path / "omni")
+    from PIL import Image
+
+    Image.new("RGB", (16, 16)).save(tmp_path / "a.png")
+    err = cli_error(["predict", "--checkpoint", str(export), "--device", "cpu", str(tmp_path / "a.png")], capsys,
+                    prog="omni predict")
+    assert err.endswith(f"{export}: this export has no classifier head (a backbone, 0 classes): fine-tune it on "
+                        "labelled images first (recipes/vit.py --set init=...)"), err

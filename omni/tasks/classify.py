@@ -23,20 +23,23 @@ class ClassifyTask(Task):
 
     ``items[i]`` is a raw input for ``tokenizer.encode`` (encoded when drawn) or an already encoded Segment.
     ``attention``: how many of the first items an image task's ``samples`` also shows under the model's attention
-    rollout (0: none).
+    rollout (0: none). ``class_names``: one name per class, recorded in the export (``omni predict`` prints them).
     """
 
     metric_names = ("accuracy",)
 
     def __init__(self, name: str, tokenizer: Tokenizer, items: Sequence[Any], labels: Sequence[int], n_classes: int,
                  *, weight: float = 1.0, loss_weight: float = 1.0, pool: str = "mean",
-                 label_smoothing: float = 0.0, attention: int = 0) -> None:
+                 label_smoothing: float = 0.0, attention: int = 0, class_names: Sequence[str] | None = None) -> None:
         super().__init__(name, weight, loss_weight)
         if len(items) != len(labels) or not len(items):
             raise ValueError(f"task {name!r}: {len(items)} items but {len(labels)} labels (need as many, >= 1)")
         bad = [int(y) for y in labels if not 0 <= int(y) < n_classes]
         if bad:
             raise ValueError(f"task {name!r}: labels must lie in [0, {n_classes}), got {bad[:5]}")
+        if class_names is not None and len(class_names) != n_classes:
+            raise ValueError(f"task {name!r}: {len(class_names)} class names for {n_classes} classes")
+        self.class_names = [str(c) for c in class_names] if class_names is not None else None
         self.tokenizer, self.items, self.labels = tokenizer, items, [int(y) for y in labels]
         self.n_classes, self.pool, self.label_smoothing = int(n_classes), pool, float(label_smoothing)
         self.modality, self.attention = tokenizer.modality, max(int(attention), 0)
