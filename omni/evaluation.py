@@ -14,6 +14,12 @@
 * Conditions: model in eval mode (train mode restored after), ``torch.no_grad``, the mixed-precision
   autocast, and every RNG stream (python, numpy, torch, CUDA) saved before and restored after, so training
   continues exactly as without evaluation. Collective: call it on every rank.
+* The whole eval set, every time: a rank-local resumable loader (``state_dict``/``load_state_dict``/``set_epoch``:
+  ShardLoader, TensorLoader, MixtureLoader) is read from the start of its epoch and left where it was
+  (``held_position``), so every evaluation scores the same batches whatever a hook read before (a samples_fn
+  showing its first batch once cut the next evaluation to 3 of 4 batches), and a resumed run, whose eval loader
+  starts afresh, scores what an uninterrupted one does. Hooks that show eval items take them with
+  ``first_batch``.
 
 What a person looks at, beside the numbers (``Pictures``, built by the Trainer from its config):
 
@@ -35,6 +41,7 @@ What a person looks at, beside the numbers (``Pictures``, built by the Trainer f
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import math
 import os
@@ -69,6 +76,40 @@ def preserved_rng() -> Iterator[None]:
     np.random.set_state(npy)
 
 
+_RESUMABLE = ("state_dict", "load_state_dict", "set_epoch")
+
+
+@contextlib.contextmanager
+def held_position(data: Any) -> Iterator[None]:
+    """Run a block that reads ``data`` from the start of its current epoch, and put ``data`` back where it was
+    after it. For rank-local resumable loaders (``state_dict``/``load_state_dict``/``set_epoch`` and an
+    ``epoch``); any other iterable (a list, a plain DataLoader) starts afresh at every ``iter`` anyway."""
+    if not all(callable(getattr(data, name, None)) for name in _RESUMABLE) or not hasattr(data, "epoch"):
+        yield
+        return
+    saved = copy.deepcopy(data.state_dict())
+    epoch = int(data.epoch)
+    data.set_epoch(epoch + 1)  # set_epoch(e) goes to the start of e, a no-op when already in e: leave e first
+    data.set_epoch(epoch)
+    try:
+        yield
+    finally:
+        data.load_state_dict(saved)
+
+
+def first_batch(data: Iterable[Any]) -> Any:
+    """The first batch of a pass over ``data`` without moving it (``held_position``): what a samples_fn shows
+    of the eval set. A resumable loader's iterator is closed, not left half-read (workers, cursor)."""
+    with held_position(data):
+        it = iter(data)
+        try:
+            return next(it)
+        finally:
+            close = getattr(it, "close", None)
+            if callable(close):
+                close()
+
+
 def _scalar(name: Any, value: Any) -> float:
     """A model_metrics_fn value as a python float (a number or a one-element Tensor)."""
     if isinstance(value, Tensor):
@@ -97,8 +138,8 @@ class Evaluator:
         if data is None and model_metrics_fn is None:
             return {}
         model.eval()
-        try:
-            with preserved_rng():
+        try:  # hooks are inside held_position too: whatever they read of the eval data is put back
+            with preserved_rng(), held_position(data if not prepared else None):
                 sums, counts = self._local_sums(model, data if data is not None else (), prepared)
                 whole: dict[str, float] = {}  # this rank's model_metrics_fn values
                 if model_metrics_fn is not None:
@@ -326,4 +367,4 @@ def log_items(writer: Any, items: Sequence[Any], step: int) -> int:
 
 
 __all__ = ["CURVES_NAME", "Evaluator", "HISTORY_NAME", "MetricHistory", "Pictures", "SAMPLES_DIR", "SamplesFn", "drawn",
-           "log_items", "preserved_rng", "read_history"]
+           "first_batch", "held_position", "log_items", "preserved_rng", "read_history"]

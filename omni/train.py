@@ -72,6 +72,7 @@ any LM head tied to them); never decay 1-D parameters (biases, norm scales, type
 from __future__ import annotations
 
 import functools
+import json
 import math
 import numbers
 import os
@@ -89,10 +90,11 @@ import torch
 from torch import nn
 
 from omni import export as _export
-from omni.checkpointing import (RESUME_IGNORED, RESUME_MODES, Checkpointer, ResumeMismatchError, RunExistsError,
-                                config_differences, flatten_config, latest_checkpoint, list_checkpoints, on_main,
-                                run_config)
-from omni.evaluation import HISTORY_NAME, EvalFn, Evaluator, MetricHistory, ModelMetricsFn, Pictures, SamplesFn
+from omni.checkpointing import (RESULTS_NAME, RESUME_IGNORED, RESUME_MODES, Checkpointer, ResumeMismatchError,
+                                RunExistsError, config_differences, flatten_config, latest_checkpoint,
+                                list_checkpoints, on_main, run_config)
+from omni.evaluation import (HISTORY_NAME, EvalFn, Evaluator, MetricHistory, ModelMetricsFn, Pictures, SamplesFn,
+                             held_position)
 from omni.export import DiskFullError, IntegrityError
 from omni.lock import DirectoryLock, LockedError
 from omni.steps import DataStream, Loss, LossOutput, NonFiniteLossError, batch_keys, build_step
@@ -660,8 +662,15 @@ class Trainer:
         acc, cfg = self.accelerator, self.config
         self.checkpointer.clean_stale(owner=self._lock.held)
         resumed, self.step, changed = self.checkpointer.restore()
-        if resumed and not changed and self.step >= cfg.steps and self.checkpointer.finished():
+        # A run whose export is in place finished; from before results were recorded first (or after a kill
+        # between an export and its results by an older omni), it is evaluated again from its final checkpoint
+        # and its results written: never "finished" without them.
+        exported = bool(resumed) and not changed and self.step >= cfg.steps and self.checkpointer.finished()
+        if exported and self._results_recorded():
             return self.checkpointer.report_finished(resumed, self.step)
+        if exported and acc.is_main_process:
+            print(f"omni.train: {self.output_dir} finished at step {self.step} but its results were not recorded: "
+                  f"evaluating its final checkpoint {resumed} again", flush=True)
         if not resumed and not changed and self.checkpointer.finished_without_checkpoint():
             return self.checkpointer.report_finished(None, cfg.steps)
         self.checkpointer.record_start()
@@ -691,12 +700,25 @@ class Trainer:
                 results.update(self._evaluate_and_log(progress))
             if cfg.checkpoint_every > 0 and last_ckpt != self.step:
                 self.save_checkpoint()
-            if cfg.export:
+            self.pictures.curves()
+            results["step"] = self.step
+            # Recorded before the export: an export in place marks a finished run (a re-run reports these
+            # results), so a kill between the two must leave the results, not the export alone.
+            self.checkpointer.record_results(results)
+            if cfg.export and not exported:
                 self.export()
-        self.pictures.curves()
-        results["step"] = self.step
-        self.checkpointer.record_results(results)  # for a re-run of this finished run
         return results
+
+    def _results_recorded(self) -> bool:
+        """Whether ``output_dir`` holds this run's results (``RESULTS_NAME``, at ``steps``). Collective."""
+        def recorded() -> bool:
+            try:
+                results = json.loads((self.output_dir / RESULTS_NAME).read_text())
+            except (OSError, ValueError):
+                return False
+            return isinstance(results, dict) and isinstance(results.get("step"), int) \
+                and results["step"] >= self.config.steps
+        return bool(on_main(self.accelerator, recorded))
 
     def _train_step(self) -> dict[str, float]:
         """Optimizer step ``self.step + 1`` on the next batches: the step strategy's record."""
@@ -705,7 +727,8 @@ class Trainer:
     def _evaluate_and_log(self, progress: _Progress) -> dict[str, float]:
         metrics = self.evaluate()
         progress.evaluated(self.step, metrics)
-        self.pictures.samples(unwrap(self.model), self.step)
+        with held_position(self.evaluator.data if not self.evaluator.prepared else None):  # a hook reading eval
+            self.pictures.samples(unwrap(self.model), self.step)  # data must not move what evaluations score
         if self.step < self.config.steps:  # the last one is drawn once training is done
             self.pictures.curves()
         return metrics

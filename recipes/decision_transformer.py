@@ -29,6 +29,12 @@ actions are inputs too). A DT starts methods=['dt'], a bc export bc / fbc.
 
 from __future__ import annotations
 
+import sys
+
+from omni.scripts import without_script_folder
+
+sys.path[:] = without_script_folder(sys.path, __file__)  # first: recipes/whisper.py must not hide openai-whisper
+
 import json
 import time
 from pathlib import Path

@@ -28,6 +28,12 @@ plus ``samples`` continuations of held-out openings logged to TensorBoard as tex
 
 from __future__ import annotations
 
+import sys
+
+from omni.scripts import without_script_folder
+
+sys.path[:] = without_script_folder(sys.path, __file__)  # first: recipes/whisper.py must not hide openai-whisper
+
 import copy
 import time
 from dataclasses import replace

@@ -111,6 +111,12 @@ The single-task recipes themselves (their own trunks and schedules) give the ref
 
 from __future__ import annotations
 
+import sys
+
+from omni.scripts import without_script_folder
+
+sys.path[:] = without_script_folder(sys.path, __file__)  # first: recipes/whisper.py must not hide openai-whisper
+
 import hashlib
 import importlib
 import json

@@ -19,6 +19,12 @@ position table, another class count gets a new head (omni.init.read_init, omni.v
 
 from __future__ import annotations
 
+import sys
+
+from omni.scripts import without_script_folder
+
+sys.path[:] = without_script_folder(sys.path, __file__)  # first: recipes/whisper.py must not hide openai-whisper
+
 import math
 import time
 from pathlib import Path
@@ -31,6 +37,7 @@ from omni.config import (FRACTION, POSITIVE, Key, at_least, between, one_of, ran
 from omni.data.memory import TensorLoader, materialise
 from omni.data.reader import ShardLoader
 from omni.data.shards import read_manifest
+from omni.evaluation import first_batch
 from omni.init import read_init
 from omni.tokenizers.image import ImageTokenizer
 from omni.train import Trainer, process_state, unwrap
@@ -229,8 +236,8 @@ def main(argv=None) -> dict:
         from omni.introspect import image_attention
         from omni.plots import Picture, attention_grid, image_grid
 
-        if not shown:
-            images, labels = next(iter(eval_data))
+        if not shown:  # first_batch leaves the eval loader where it was: evaluations score every batch
+            images, labels = first_batch(eval_data)
             shown.extend([images[:16], labels[:16].tolist()])
         probs = model(shown[0]).float().softmax(-1)
         p, predicted = probs.max(-1)

@@ -41,6 +41,12 @@ near the pretrained model's; "keep" trains them as written. WER / CER ignore cas
 
 from __future__ import annotations
 
+import sys
+
+from omni.scripts import without_script_folder
+
+sys.path[:] = without_script_folder(sys.path, __file__)  # first: recipes/whisper.py must not hide openai-whisper
+
 import json
 import math
 import time

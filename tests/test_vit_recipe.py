@@ -160,3 +160,93 @@ def test_recipe_runs_on_two_processes(dataset, tmp_path):
     assert len(starts) == 1, stdout  # main process only
     assert "(16 per epoch)" in starts[0]  # 2048 samples / 2 ranks / batch 64
     assert (out / "final" / "model.safetensors").is_file()
+
+
+def eval_history(out: Path) -> dict[int, tuple[float, float]]:
+    """Every evaluation of a run: step -> (eval/accuracy, eval/loss), from <out>/history.jsonl."""
+    import json
+
+    rows = [json.loads(line) for line in (out / "history.jsonl").read_text().splitlines()]
+    return {r["step"]: (r["eval/accuracy"], r["eval/loss"]) for r in rows if "eval/accuracy" in r}
+
+
+def test_eval_metrics_do_not_depend_on_hooks_or_resume(dataset, tmp_path, monkeypatch, one_thread):
+    """The sample-picture hook shows the first eval batch without moving the eval loader: every evaluation
+    scores all 4 eval batches, with or without hooks, and a run stopped at step 3 and resumed scores at step 4 what
+    an uninterrupted run does (its hook's first read comes after the resume). Before, the hook's read cut the
+    straight run's second evaluation to 3 of 4 batches (0.3164 where the same weights score 0.3281), and the
+    resumed run's final accuracy was another than the straight run's."""
+    import os
+    import signal
+
+    import omni.plots
+    from omni.train import Trainer, TrainingInterrupted
+
+    drawn = []  # the hook's pictures, cheaply (matplotlib takes seconds): the images it was given
+    monkeypatch.setattr(omni.plots, "image_grid", lambda images, *a, **kw: drawn.append(images.clone())
+                        or np.zeros((2, 2, 3), np.uint8))
+    monkeypatch.setattr(omni.plots, "attention_grid", lambda *a, **kw: np.zeros((2, 2, 3), np.uint8))
+    monkeypatch.setattr(omni.plots, "training_curves", lambda *a, **kw: None)
+    recipe = load_recipe()
+
+    def run(out: Path) -> dict:
+        return recipe.main(["--preset", "tiny", "--data", str(dataset[0]), "--out", str(out), "--set",
+                            "progress=False", "workers=0", "steps=4", "limit_train=256", "limit_eval=256",
+                            "eval_every_epochs=0.5", "pad=0"])  # 4 steps per epoch: evaluations at steps 2 and 4
+
+    straight = run(tmp_path / "straight")
+    evaluations = eval_history(tmp_path / "straight")
+    assert sorted(evaluations) == [2, 4] and len(drawn) == 2  # the hook ran after each evaluation
+    images = torch.from_numpy(dataset[1][0][:16])[:, None]
+    assert all(torch.equal(d, images) for d in drawn)  # the first eval batch's first 16 images, both times
+
+    with monkeypatch.context() as mp:  # no sample hook at all
+        mp.setattr(recipe, "Trainer", lambda *a, **kw: Trainer(*a, **{**kw, "samples_fn": None}))
+        without = run(tmp_path / "without")
+    assert eval_history(tmp_path / "without") == evaluations
+    assert (without["eval/accuracy"], without["eval/loss"]) == (straight["eval/accuracy"], straight["eval/loss"])
+
+    real_step = Trainer._train_step
+
+    def stop_at_3(self):  # a Ctrl-C during step 3: it finishes, checkpoints and stops
+        record = real_step(self)
+        if self.step + 1 == 3:
+            os.kill(os.getpid(), signal.SIGINT)
+        return record
+
+    with monkeypatch.context() as mp:
+        mp.setattr(Trainer, "_train_step", stop_at_3)
+        with pytest.raises(TrainingInterrupted):
+            run(tmp_path / "resumed")
+    resumed = run(tmp_path / "resumed")
+    assert eval_history(tmp_path / "resumed") == evaluations
+    assert (resumed["eval/accuracy"], resumed["eval/loss"]) == (straight["eval/accuracy"], straight["eval/loss"])
+    # the final evaluation is the exported model's accuracy on the 256 eval images (all of them, each once)
+    test_images, labels = dataset[1]
+    with torch.no_grad():
+        pred = load_pretrained(tmp_path / "resumed" / "final")(torch.from_numpy(test_images[:256])[:, None]).argmax(-1)
+    expected = (pred == torch.from_numpy(labels[:256]).long()).float().mean().item()
+    assert straight["eval/accuracy"] == pytest.approx(expected, abs=1e-6)
+
+
+def test_a_run_killed_before_its_results_reports_them_on_a_rerun(dataset, tmp_path, capsys, one_thread):
+    """A run whose export landed but whose train_results.json did not (killed between the two, as an older
+    omni wrote them in that order) is evaluated again from its final checkpoint on a re-run: the re-run reports
+    the run's test accuracy (not nan) and writes the results; a further re-run just reports them."""
+    recipe = load_recipe()
+    args = ["--preset", "tiny", "--data", str(dataset[0]), "--out", str(tmp_path), "--set", "progress=False",
+            "workers=0", "steps=4", "limit_train=256", "limit_eval=256", "checkpoint_every_epochs=1"]
+    first = recipe.main(args)
+    (tmp_path / "train_results.json").unlink()
+    export = (tmp_path / "final" / "model.safetensors").read_bytes()
+    capsys.readouterr()
+    again = recipe.main(args)
+    out = capsys.readouterr().out
+    assert "results were not recorded: evaluating its final checkpoint" in out
+    assert again["eval/accuracy"] == first["eval/accuracy"] and again["eval/loss"] == first["eval/loss"]
+    assert f"test accuracy {first['eval/accuracy']:.4f}" in out and "nan" not in out
+    assert (tmp_path / "final" / "model.safetensors").read_bytes() == export  # the intact export is kept
+    assert (tmp_path / "train_results.json").is_file()
+    third = recipe.main(args)
+    assert "already finished" in capsys.readouterr().out
+    assert third["eval/accuracy"] == first["eval/accuracy"]
