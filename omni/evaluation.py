@@ -253,6 +253,15 @@ class MetricHistory:
             return
         write_atomic(self.path, "".join(_line(r) for r in self.records))
 
+    def latest(self, prefix: str = "") -> dict[str, float]:
+        """The last value logged of every scalar whose name starts with ``prefix`` (e.g. a finished run's final
+        training metrics, read back from its history)."""
+        out: dict[str, float] = {}
+        for record in self.records:
+            out.update({k: float(v) for k, v in record.items() if k != "step" and k.startswith(prefix)
+                        and isinstance(v, (int, float)) and not isinstance(v, bool)})
+        return out
+
     def append(self, step: int, values: Mapping[str, Any]) -> None:
         """Record ``values`` logged at ``step`` (floats, or lists of floats)."""
         record = {"step": int(step), **values}

@@ -682,6 +682,8 @@ class Trainer:
         last_ckpt = self.step if resumed else None
         last_eval: int | None = None
         results: dict[str, float] = {}
+        if exported:  # evaluated again: its training metrics are the last ones it logged
+            results.update(self.history.latest("train/"))
         self.model.train()
         with _StopOnSignal() as stop, _Progress(acc, cfg, self.step, self.history) as progress:
             while self.step < cfg.steps:

@@ -597,7 +597,9 @@ def main(argv=None, *, on_trained=None) -> dict:
             on_trained(trainer)
         finally:
             trainer.close()
-    if cfg["eval_tasks"] and sharded and state.is_main_process:
+    # Measured on the exported model, once, on the main process: under FSDP, and on a re-run of a finished run
+    # (fit evaluated nothing: a kill may have taken results.json after the export landed; it is written again).
+    if cfg["eval_tasks"] and (sharded or not record) and state.is_main_process:
         from omni.export import load_pretrained
 
         record.update(task_metrics(load_pretrained(trainer.export_dir, device=state.device), tasks["test"], cfg))

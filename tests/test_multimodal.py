@@ -733,3 +733,34 @@ def _worker(cache: str, out: str) -> None:
 
 if __name__ == "__main__":
     _worker(sys.argv[1], sys.argv[2])
+
+
+def test_a_run_killed_after_its_export_writes_its_results_on_a_rerun(cache, tmp_path, capsys):
+    """A kill after the export landed but before the recipe wrote results.json / metrics.json (or, from an older
+    omni, before train_results.json and curves.png): every re-run reported "image loss nan" and never wrote
+    results.json. Now the re-run measures the tasks on the export (or evaluates the final checkpoint again) and
+    writes them, with the numbers of the uninterrupted run."""
+    recipe = load_recipe()
+    out = tmp_path / "run"
+    args = tiny_args(cache, out, "only='image'", "steps=2", "eval_batches=1", "eval_tasks='end'", "checkpoint_every=2",
+                     "report_to='none'")
+    recipe.main(args)
+    first = json.loads((out / "results.json").read_text())["results"]
+    first_metrics = json.loads((out / "metrics.json").read_text())
+    assert (out / "curves.png").is_file() and 0 < first["image"]["accuracy"] <= 1
+    capsys.readouterr()
+    for lost in (("results.json", "metrics.json"),  # killed between the Trainer's export and the recipe's files
+                 ("results.json", "metrics.json", "train_results.json", "curves.png")):  # an older omni's order
+        for name in lost:
+            (out / name).unlink()
+        metrics = recipe.main(args)
+        printed = capsys.readouterr().out
+        assert "nan" not in printed and f"image loss {first_metrics['train/image/loss']:.3f}" in printed, printed
+        again = json.loads((out / "results.json").read_text())["results"]
+        assert {k: v for k, v in again["image"].items() if k != "seconds"} == \
+            {k: v for k, v in first["image"].items() if k != "seconds"}
+        assert metrics["eval/image/test_accuracy"] == first["image"]["accuracy"]
+        assert all((out / name).is_file() for name in lost)
+        written = json.loads((out / "metrics.json").read_text())
+        assert {k: written[k] for k in first_metrics if k != "seconds"} == \
+            {k: v for k, v in first_metrics.items() if k != "seconds"}
