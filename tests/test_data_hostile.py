@@ -51,3 +51,82 @@ def test_shards_in_a_subfolder_of_the_dataset_are_still_read(tmp_path):
         shard["name"] = f"part/{shard['name']}"
     (ds / "manifest.json").write_text(json.dumps(manifest))
     assert sorted(x for batch in ShardLoader(ds, _label, list, 2) for x in batch) == [0, 0, 1, 1, 2, 2]
+
+
+def test_a_dataset_of_another_kind_is_one_line_naming_both(tmp_path):
+    ds = _dataset(tmp_path / "speech", builder="speech-synth")
+    expected = (rf"^{ds} is a dataset of speech \(built by `omni data speech-synth`\), where images are expected "
+                r"\(`omni data fashion-mnist, images` builds them\)$")
+    for read in (lambda: read_manifest(ds, kind="images"), lambda: shard_urls(ds, "train", kind="images"),
+                 lambda: ShardLoader(ds, _label, list, 2, kind="images")):
+        with pytest.raises(DatasetError, match=expected):
+            read()
+    assert len(ShardLoader(ds, _label, list, 2, kind=("speech", "text"))) == 3
+    other = _dataset(tmp_path / "mine", builder="my-plugin")  # a builder omni does not know: not checked
+    assert read_manifest(other, kind="images")["builder"] == "my-plugin"
+
+
+# ------------------------------------------------------------------------------------------------
+# Images: whole files only, and a bound on their size read from the header
+
+
+def _png(size=(8, 8)) -> bytes:
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.fromarray(np.random.default_rng(0).integers(0, 255, (*size, 3), dtype=np.uint8)).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def _huge_png(width: int, height: int) -> bytes:
+    """A valid PNG claiming width x height with a few bytes of pixel data: what a decoder sees before it
+    allocates (the header), and far too little to decode."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\0" * 64))
+            + chunk(b"IEND", b""))
+
+
+def test_skip_bad_skips_truncated_and_header_only_images(tmp_path):
+    from omni.data.builders_vision import build_images
+
+    good = _png()
+    src = tmp_path / "src"
+    for cls in ("a", "b"):
+        (src / cls).mkdir(parents=True)
+        for i in range(3):
+            (src / cls / f"{i}.png").write_bytes(good)
+    (src / "a" / "cut.png").write_bytes(good[: len(good) // 2])
+    (src / "b" / "header.png").write_bytes(good[:33])  # signature + IHDR only
+    (src / "b" / "huge.png").write_bytes(_huge_png(13000, 13000))
+    with pytest.raises(ValueError, match=rf"{src / 'a' / 'cut.png'}: not a complete image .*--skip-bad"):
+        build_images(tmp_path / "strict", src=src, val_fraction=0.0, quiet=True)
+    with pytest.warns(UserWarning) as caught:
+        manifest = build_images(tmp_path / "ds", src=src, val_fraction=0.0, quiet=True, skip_bad=True)
+    assert sorted(manifest["skipped"]) == ["a/cut.png", "b/header.png", "b/huge.png"]
+    assert manifest["splits"]["train"]["count"] == 6
+    assert any("13000 x 13000 pixels (169.0 MP) is more than omni decodes" in str(w.message) for w in caught)
+
+
+def test_an_image_over_the_pixel_bound_is_refused_from_its_header(tmp_path):
+    from omni.data.reader import decode_image
+    from omni.tokenizers.image import MAX_PIXELS, ImageTooLarge, to_image_tensor
+
+    assert MAX_PIXELS == 8192 * 8192
+    path = tmp_path / "huge.png"
+    path.write_bytes(_huge_png(13000, 13000))  # decoding it would need 507 MB of pixels, 2 GB as floats
+    with pytest.raises(ImageTooLarge, match=rf"^image '{path}': 13000 x 13000 pixels \(169.0 MP\) is more than omni "
+                                            r"decodes \(67.1 MP, e.g. 8192 x 8192: omni.tokenizers.image.MAX_PIXELS\); "
+                                            r"downscale it first$"):
+        to_image_tensor(str(path), key=str(path))
+    with pytest.raises(ValueError, match="13000 x 13000 pixels is more than MAX_PIXELS"):
+        decode_image(path.read_bytes())
+    assert to_image_tensor(_png((5, 7))).shape == (3, 5, 7)

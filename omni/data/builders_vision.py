@@ -215,6 +215,28 @@ def _sniff(head: bytes) -> str | None:
     return None
 
 
+def _undecodable(data: bytes) -> str | None:
+    """Why PIL cannot decode these image bytes whole (truncated, header only, corrupt, more than
+    omni.tokenizers.image.MAX_PIXELS), or None. The magic bytes alone would let a cut file into the dataset,
+    where every epoch would skip it again."""
+    from PIL import Image
+
+    from omni.tokenizers.image import ImageTooLarge, check_image_size
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            img = Image.open(io.BytesIO(data))
+        with img:
+            check_image_size(*img.size)
+            img.load()
+    except ImageTooLarge as exc:
+        return str(exc).split(": ", 1)[1]
+    except Exception as exc:  # PIL raises OSError, SyntaxError, ValueError, EOFError ... on broken files
+        return f"not a complete image ({type(exc).__name__}: {' '.join(str(exc).split())})"
+    return None
+
+
 def _class_files(folder: Path) -> dict[str, list[Path]]:
     classes: dict[str, list[Path]] = {}
     for d in sorted(p for p in folder.iterdir() if p.is_dir() and not p.name.startswith(".")):
@@ -279,7 +301,9 @@ def build_images(
 ) -> dict[str, Any]:
     """An ImageFolder tree -> shards with each image's ORIGINAL bytes as ``<key>.jpg`` or
     ``<key>.png`` (by content, not file name), ``<key>.cls`` and ``<key>.json`` (source path,
-    class name). Class indices follow the sorted class-folder names."""
+    class name). Class indices follow the sorted class-folder names. Every image is decoded once here: a
+    file that is not a whole JPEG/PNG (truncated, header only, corrupt, over MAX_PIXELS) stops the build naming
+    it, or with ``skip_bad`` is skipped, warned about and listed in the manifest's ``skipped``."""
     if not 0.0 <= val_fraction < 1.0:
         raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
     src = Path(src)
@@ -305,8 +329,9 @@ def build_images(
                 for i, (file, idx) in enumerate(pairs):
                     data = file.read_bytes()
                     ext = _sniff(data[:8])
-                    if ext is None:
-                        msg = f"{file}: not a JPEG or PNG file (by its first bytes)"
+                    problem = "not a JPEG or PNG file (by its first bytes)" if ext is None else _undecodable(data)
+                    if problem is not None:
+                        msg = f"{file}: {problem}"
                         if not skip_bad:
                             raise ValueError(msg + "; pass --skip-bad to skip such files")
                         warnings.warn(msg + "; skipped", stacklevel=2)

@@ -73,14 +73,24 @@ _SHARD_ORDER, _WINDOW = 0x5A4D, 0x57494E
 # ---------------------------------------------------------------------------------------------
 
 
+# The most pixels decode_image decodes: omni.tokenizers.image.MAX_PIXELS (a floor above this module).
+MAX_PIXELS = 8192 * 8192
+
+
 def decode_image(data: bytes, mode: str | None = None) -> Any:
     """Encoded image bytes (PNG, JPEG, WebP, PPM, ...) -> a loaded PIL image in its own mode.
 
-    ``mode`` converts (e.g. "RGB"); by default the file's mode (L, LA, RGB, RGBA, I;16 ...) is kept.
+    ``mode`` converts (e.g. "RGB"); by default the file's mode (L, LA, RGB, RGBA, I;16 ...) is kept. More than
+    ``MAX_PIXELS`` pixels (by the header, before decoding) is a ValueError: the sample is corrupt.
     """
     from PIL import Image
 
-    image = Image.open(io.BytesIO(data))
+    with warnings.catch_warnings():  # PIL's DecompressionBombWarning: the bound below refuses those first
+        warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+        image = Image.open(io.BytesIO(data))
+    width, height = image.size
+    if width * height > MAX_PIXELS:  # from the header: a huge image is a corrupt sample, not gigabytes
+        raise ValueError(f"{width} x {height} pixels is more than MAX_PIXELS ({MAX_PIXELS})")
     image.load()  # decode now, so a broken file fails here (inside the corrupt-sample guard)
     return image.convert(mode) if mode is not None and image.mode != mode else image
 
@@ -287,7 +297,7 @@ def count_samples(path: str | os.PathLike[str]) -> int:
 
 
 def manifest_shards(
-    dataset_dir: str | os.PathLike[str], split: str
+    dataset_dir: str | os.PathLike[str], split: str, kind: str | Sequence[str] | None = None
 ) -> tuple[list[str], list[int], list[str | None]]:
     """Shard paths, per-shard sample counts and sha256 digests (None where the manifest has none)
     of ``split`` from the dataset's manifest.json (written by omni.data.shards.Build; shard names
@@ -297,7 +307,7 @@ def manifest_shards(
     wrong too, skips and counts its samples as corrupt, and the corrupt-fraction limit decides.
     """
     root = Path(dataset_dir)
-    manifest = read_manifest(root)
+    manifest = read_manifest(root, kind=kind)
     splits = manifest["splits"]
     if split not in splits:
         raise DatasetError(f"{root / MANIFEST_NAME} has no split {split!r}; available: {', '.join(sorted(splits)) or 'none'}")
@@ -643,6 +653,9 @@ class ShardLoader:
     fields:      required fields (extensions); a sample lacking one is corrupt.
     counts:      per-shard sample counts; read from the manifest for a dataset directory, else
                  counted by scanning the tar headers once.
+    kind:        the kinds of data the caller reads ("images", "speech", "episodes", "text": see
+                 omni.data.shards.DATASET_KINDS): a dataset directory whose builder writes another kind is a
+                 DatasetError naming both.
     max_corrupt_fraction: fail (DatasetError) when corrupt/seen in an epoch exceeds it (checked once
                  ``corrupt_check_after`` samples were seen, and at the end of every epoch). Recipes
                  expose it as the config key ``max_corrupt_fraction``.
@@ -672,12 +685,13 @@ class ShardLoader:
         corrupt_check_after: int = 100,
         prefetch_factor: int = 2,
         multiprocessing_context: str | None = None,
+        kind: str | Sequence[str] | None = None,
     ) -> None:
         digests: list[str | None] = []  # checked against each shard when first indexed (manifest only)
         if isinstance(source, (str, os.PathLike)) and Path(source).is_dir():
             if counts is not None:
                 raise ValueError("counts comes from the manifest when source is a dataset directory")
-            urls, counts, digests = manifest_shards(source, split)
+            urls, counts, digests = manifest_shards(source, split, kind)
         else:
             urls = _expand_source(source)
         if not urls:
@@ -716,6 +730,10 @@ class ShardLoader:
         self.stats = self._fresh_stats()
         self._generation = 0
         self.last_batch_was_filler = False  # the batch just yielded repeats a sample (see module doc)
+        # corrupt samples logged this epoch: shard -> reasons given a line; shard -> samples counted without one
+        self._log_epoch: int | None = None
+        self._logged: dict[str, set[str]] = {}
+        self._unlogged: dict[str, int] = {}
         self._indexes: dict[int, ShardIndex] = scanned  # shard headers, scanned once per run
         if self.cfg.num_batches == 0:
             raise ValueError(
@@ -833,6 +851,8 @@ class ShardLoader:
             self.last_batch_was_filler = item.filler_key is not None
             last = item.index + 1 == len(self)
             self._check(final=last)
+            if last:
+                self._log_unlogged(epoch)
             # The position always names the NEXT batch, so a checkpoint taken while this batch
             # trains resumes right after it; after the last batch that is the next epoch's start.
             self.epoch, self.batches_done = (epoch + 1, 0) if last else (epoch, item.index + 1)
@@ -844,8 +864,17 @@ class ShardLoader:
         s["valid"] += item.valid
         s["filtered"] += item.filtered
         s["corrupt"] += len(item.corrupt)
+        if self._log_epoch != item.epoch:
+            self._log_epoch, self._logged, self._unlogged = item.epoch, {}, {}
         for key, url, reason in item.corrupt:
-            logger.warning("corrupt sample %r in %s skipped: %s", key, url, reason)
+            # A line per new reason (at most 3) of each shard; the rest are counted and summed up in one line at
+            # the end of the epoch: a changed or cut shard would otherwise print a line per sample.
+            reasons = self._logged.setdefault(url, set())
+            if reason not in reasons and len(reasons) < 3:
+                reasons.add(reason)
+                logger.warning("corrupt sample %r in %s skipped: %s", key, url, reason)
+            else:
+                self._unlogged[url] = self._unlogged.get(url, 0) + 1
             if len(s["corrupt_keys"]) < 20:
                 s["corrupt_keys"].append(key)
             if url in s["corrupt_shards"]:
@@ -857,6 +886,14 @@ class ShardLoader:
             logger.warning("epoch %d batch %d of rank %d had no usable sample; it repeats sample %r so every "
                            "rank keeps the same number of batches", item.epoch, item.index, self.cfg.rank,
                            item.filler_key)
+
+    def _log_unlogged(self, epoch: int) -> None:
+        """One line per shard for the corrupt samples ``_account`` counted without a line each."""
+        if self._log_epoch == epoch:
+            for url, n in self._unlogged.items():
+                logger.warning("%s: %d more sample%s skipped as corrupt in epoch %d, for the reasons above (not "
+                               "logged one by one)", url, n, "s" if n > 1 else "", epoch)
+            self._unlogged = {}
 
     def _check(self, final: bool) -> None:
         s = self.stats

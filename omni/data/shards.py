@@ -31,7 +31,7 @@ import sys
 import tarfile
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -57,12 +57,31 @@ class DatasetError(RuntimeError):
     """A dataset folder is missing, incomplete or does not match its manifest."""
 
 
+# What each builder's datasets hold (its manifest's "builder"): a reader says which kind it expects
+# (``read_manifest(kind=...)``, ``ShardLoader(kind=...)``), so audio shards given to an image recipe are one
+# line naming both kinds, not a traceback deep in decoding. Builders not listed (plug-ins, hand-made
+# manifests) are not checked.
+DATASET_KINDS = {
+    "fashion-mnist": "images", "images": "images",
+    "speech-synth": "speech", "librispeech": "speech",
+    "gym": "episodes", "minari": "episodes",
+    "text": "text",
+}
+
+
+def dataset_kind(manifest: Mapping[str, Any]) -> str | None:
+    """The kind of data a manifest's builder writes (``DATASET_KINDS``), None for another builder."""
+    builder = manifest.get("builder")
+    return DATASET_KINDS.get(builder) if isinstance(builder, str) else None
+
+
 # -- reading -----------------------------------------------------------------------------------------
-def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
+def read_manifest(path: str | os.PathLike, *, kind: str | Sequence[str] | None = None) -> dict[str, Any]:
     """The manifest of a dataset: ``path`` is the dataset folder or its manifest.json.
 
-    Raises DatasetError (naming the file) when it is missing, not JSON, or not a manifest of a
-    format version this code reads.
+    Raises DatasetError (naming the file) when it is missing, not JSON, not a manifest of a format version
+    this code reads, when it names a shard outside its folder, or (``kind``: the kinds of ``DATASET_KINDS``
+    the caller reads) when its builder writes another kind of data.
     """
     path = Path(path)
     file = path if path.is_file() or path.name == MANIFEST_NAME else path / MANIFEST_NAME
@@ -87,6 +106,14 @@ def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
             raise DatasetError(f"{file}: split {split!r} has no 'shards' list of objects")
         for shard in shards:
             _check_shard_name(file, split, shard.get("name"))
+    if kind is not None:
+        wanted = (kind,) if isinstance(kind, str) else tuple(kind)
+        found = dataset_kind(manifest)
+        if found is not None and found not in wanted:
+            builders = ", ".join(b for b, k in DATASET_KINDS.items() if k in wanted)
+            raise DatasetError(f"{file.parent} is a dataset of {found} (built by `omni data "
+                               f"{manifest['builder']}`), where {' or '.join(wanted)} are expected (`omni data "
+                               f"{builders or '...'}` builds them)")
     return manifest
 
 
@@ -102,14 +129,15 @@ def _check_shard_name(file: Path, split: str, name: Any) -> None:
                            "absolute paths)")
 
 
-def shard_urls(dataset_dir: str | os.PathLike, split: str, *, check_sha256: bool = False) -> list[str]:
+def shard_urls(dataset_dir: str | os.PathLike, split: str, *, check_sha256: bool = False,
+               kind: str | Sequence[str] | None = None) -> list[str]:
     """Absolute paths of the shards of ``split`` listed in the manifest, in order.
 
     Every listed shard must exist with the size the manifest records (and, with
-    ``check_sha256``, the same sha256); otherwise DatasetError names the file.
+    ``check_sha256``, the same sha256); otherwise DatasetError names the file. ``kind``: as ``read_manifest``.
     """
     dataset_dir = Path(dataset_dir).resolve()
-    manifest = read_manifest(dataset_dir)
+    manifest = read_manifest(dataset_dir, kind=kind)
     splits = manifest["splits"]
     if split not in splits:
         raise DatasetError(

@@ -134,7 +134,7 @@ def _to_unit(x: Tensor, key: str) -> Tensor:
     if x.dtype == torch.bool:
         return x.to(torch.float32)
     if x.dtype == torch.uint8:
-        return x.to(torch.float32) / 255
+        return x.to(torch.float32).div_(255)  # in place: one float copy of a large image, not two
     if x.is_floating_point():
         x = x.to(torch.float32)
         if not bool(torch.isfinite(x).all()):
@@ -210,13 +210,41 @@ def _from_pil(img: Any, key: str) -> Tensor:
     return _from_numpy(arr, key, allow_grey_alpha=True)
 
 
+# The most pixels an encoded image may have (8192 x 8192, 64 MP): checked from its header, before it is
+# decoded. Decoding needs C bytes a pixel and the float tensor 4 C more (a 13,000 x 13,000 PNG took 5.3 GB in
+# `omni predict`); at the bound an RGB image takes about 1 GB while read. Larger ones are refused naming their
+# size: downscale them first (they are resized to a few hundred pixels anyway). Below PIL's own
+# decompression-bomb limit, so PIL's warning never shows.
+MAX_PIXELS = 8192 * 8192
+
+
+class ImageTooLarge(ValueError):
+    """An encoded image with more than ``MAX_PIXELS`` pixels (by its header)."""
+
+
+def check_image_size(width: int, height: int, key: str = "") -> None:
+    """``ImageTooLarge`` (a ValueError) naming the image when ``width * height`` exceeds ``MAX_PIXELS``."""
+    if width * height > MAX_PIXELS:
+        raise ImageTooLarge(f"{_name(key)}: {width} x {height} pixels ({width * height / 1e6:.1f} MP) is more "
+                            f"than omni decodes ({MAX_PIXELS / 1e6:.1f} MP, e.g. 8192 x 8192: "
+                            "omni.tokenizers.image.MAX_PIXELS); downscale it first")
+
+
 def _decode_bytes(data: bytes, key: str) -> Tensor:
+    import warnings
+
     from PIL import Image, ImageOps, UnidentifiedImageError
 
     try:
-        with Image.open(io.BytesIO(data)) as img:
+        with warnings.catch_warnings():  # PIL's DecompressionBombWarning: MAX_PIXELS refuses those first
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            img = Image.open(io.BytesIO(data))
+        with img:
+            check_image_size(*img.size, key=key)  # from the header alone: nothing decoded yet
             img.load()  # decode now so truncated/corrupt data fails here, inside the try
             img = ImageOps.exif_transpose(img)
+    except ImageTooLarge:
+        raise
     except (UnidentifiedImageError, OSError, SyntaxError, ValueError, EOFError, Image.DecompressionBombError) as exc:
         # SyntaxError/EOFError: raised by some PIL plugins on corrupt headers
         # PIL names an unknown format's source "<_io.BytesIO object at 0x...>": say what it means instead
