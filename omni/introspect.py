@@ -40,48 +40,23 @@ replayed CUDA graph runs no Python, so it records nothing (decode with the eager
 
 from __future__ import annotations
 
-import math
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Iterator, Literal, Sequence, Union
 
 import torch
 from torch import Tensor, nn
-from torch.nn.attention.flex_attention import BlockMask, create_mask
+from torch.nn.attention.flex_attention import BlockMask
 
 from omni.packing import PackedBatch, Packer
 from omni.segment import Sample, Segment
-from omni.trunk import CrossAttention, Mask, SelfAttention, Trunk
+from omni.trunk import CrossAttention, Mask, SelfAttention, Trunk, block_mask_to_dense
 
 LayerFilter = Union[None, Iterable[str], Callable[[str], bool]]
 
 
 # ----------------------------------------------------------------------------------------------------
 # Reference attention
-
-
-def block_mask_to_dense(mask: BlockMask) -> Tensor:
-    """A FlexAttention BlockMask as the dense bool mask (B, H, Q, KV) it applies: every pair of a full block,
-    and the pairs of a partial block that its mask_mod allows; blocks not listed are masked. These are the
-    compiled (GPU) kernels' rules; eager flex_attention (CPU) evaluates mask_mod alone. The two agree for an
-    exact BlockMask (full blocks all allowed, unlisted blocks all masked), as omni.packing.block_mask builds."""
-    Q, KV = mask.seq_lengths
-    B, H, n_q = mask.kv_num_blocks.shape
-    bq, bk = mask.BLOCK_SIZE
-    n_kv = math.ceil(KV / bk)
-
-    def blocks(num: Tensor | None, idx: Tensor | None) -> Tensor:  # (B, H, n_q) + (B, H, n_q, n) -> (B, H, Q, KV)
-        dense = torch.zeros(B, H, n_q, n_kv + 1, dtype=torch.bool, device=mask.kv_num_blocks.device)
-        if num is not None and idx is not None:
-            listed = torch.arange(idx.shape[-1], device=idx.device) < num[..., None]  # the first num entries count
-            dense.scatter_(-1, torch.where(listed, idx.long(), n_kv), True)  # the rest land in a dropped column
-        dense = dense[..., :n_kv]
-        return dense.repeat_interleave(bq, 2).repeat_interleave(bk, 3)[:, :, :Q, :KV]
-
-    partial = blocks(mask.kv_num_blocks, mask.kv_indices)
-    full = blocks(mask.full_kv_num_blocks, mask.full_kv_indices)
-    allowed = create_mask(mask.mask_mod, B, H, Q, KV, device=mask.kv_num_blocks.device).bool()
-    return full | (partial & allowed)
 
 
 def dense_mask(mask: Mask, q_len: int, kv_len: int, device: torch.device | str) -> Tensor | None:

@@ -11,19 +11,25 @@ Attention masks are one of
   bool Tensor       allowed[b, h, q, k], broadcastable     -> SDPA with a dense mask (CPU, decoding)
   BlockMask         packed / modality-aware (omni.packing) -> FlexAttention
 and give the same numbers on every path (tests/test_trunk.py checks each against a dense reference).
+
+FlexAttention runs compiled kernels on CUDA and its eager reference math elsewhere; ``flex_mode("compiled")``
+runs the compiled kernels on the CPU too (the BlockMask path of every GPU run, tested on the CPU by
+tests/test_flex_cpu.py). Torch has no FlexAttention backward on the CPU: there the gradient is that of the same
+attention over the BlockMask's dense mask (``block_mask_to_dense``), recomputed in the backward pass.
 """
 
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 from dataclasses import InitVar, asdict, dataclass, field
 from functools import partial
-from typing import Callable, Literal, Union
+from typing import Callable, Iterator, Literal, Union
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.nn.attention.flex_attention import BlockMask, flex_attention
+from torch.nn.attention.flex_attention import BlockMask, create_mask, flex_attention
 
 Mask = Union[None, Literal["causal"], Tensor, BlockMask]
 Activation = Literal["gelu", "gelu_tanh", "relu", "swiglu"]  # the MLP's nonlinearity: see ACTIVATIONS
@@ -244,20 +250,51 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Mask) -> Tensor:
     """q (B, H, Tq, D), k/v (B, G, Tk, D) -> (B, H, Tq, D), dispatching on the mask type."""
     gqa = q.shape[1] != k.shape[1]
     if isinstance(mask, BlockMask):
-        # Compiled Flex kernels on GPU; the eager path (reference math) serves CPU and tests.
-        fn = _compiled_flex() if q.is_cuda else flex_attention
-        D = q.shape[-1]
-        if q.is_cuda and D < 16:  # Flex's GPU kernels need head_dim >= 16: zero-pad (q.k unchanged)
-            pad = (0, 16 - D)
-            out = fn(F.pad(q, pad), F.pad(k, pad), F.pad(v, pad), block_mask=mask, enable_gqa=gqa,
-                     scale=D ** -0.5)
-            return out[..., :D]
-        return fn(q, k, v, block_mask=mask, enable_gqa=gqa)
+        return _flex(q, k, v, mask, gqa)
     if isinstance(mask, str):
         if mask != "causal":
             raise ValueError(f"unknown mask {mask!r}; use None, 'causal', a bool tensor or a BlockMask")
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+
+
+FlexMode = Literal["auto", "compiled", "eager"]
+FLEX_MODES: tuple[str, ...] = ("auto", "compiled", "eager")
+_flex_mode: FlexMode = "auto"
+
+
+@contextmanager
+def flex_mode(mode: FlexMode) -> Iterator[None]:
+    """Which FlexAttention runs BlockMask attention inside the block: "auto" (the default: compiled kernels on
+    CUDA, the eager reference math elsewhere, which needs no compile), "compiled" (``torch.compile``'d kernels on
+    every device: the CPU then runs the block-sparse kernels every GPU run uses; the first call per shape
+    compiles, ~20-45 s on a CPU) or "eager". A process-wide setting, restored on exit; read when a forward runs
+    (under ``torch.compile`` of a whole model: when it is traced)."""
+    global _flex_mode
+    if mode not in FLEX_MODES:
+        raise ValueError(f"unknown flex mode {mode!r}; use one of {', '.join(FLEX_MODES)}")
+    before, _flex_mode = _flex_mode, mode
+    try:
+        yield
+    finally:
+        _flex_mode = before
+
+
+def _flex(q: Tensor, k: Tensor, v: Tensor, mask: BlockMask, gqa: bool) -> Tensor:
+    compiled = _flex_mode == "compiled" or (_flex_mode == "auto" and q.is_cuda)
+    fn = _compiled_flex() if compiled else flex_attention
+    D = q.shape[-1]
+
+    def call(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        if compiled and D < 16:  # Flex's compiled kernels need head_dim >= 16: zero-pad (q.k unchanged)
+            pad = (0, 16 - D)
+            out = fn(F.pad(q, pad), F.pad(k, pad), F.pad(v, pad), block_mask=mask, enable_gqa=gqa, scale=D ** -0.5)
+            return out[..., :D]
+        return fn(q, k, v, block_mask=mask, enable_gqa=gqa)
+
+    if not q.is_cuda and torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return _FlexDenseBackward.apply(q, k, v, mask, call)
+    return call(q, k, v)
 
 
 _FLEX = None
@@ -268,6 +305,56 @@ def _compiled_flex():
     if _FLEX is None:
         _FLEX = torch.compile(flex_attention, dynamic=False)
     return _FLEX
+
+
+def block_mask_to_dense(mask: BlockMask) -> Tensor:
+    """A FlexAttention BlockMask as the dense bool mask (B, H, Q, KV) it applies: every pair of a full block,
+    and the pairs of a partial block that its mask_mod allows; blocks not listed are masked. These are the
+    compiled kernels' rules; eager flex_attention evaluates mask_mod alone. The two agree for an exact
+    BlockMask (full blocks all allowed, unlisted blocks all masked), as omni.packing.block_mask builds."""
+    Q, KV = mask.seq_lengths
+    B, H, n_q = mask.kv_num_blocks.shape
+    bq, bk = mask.BLOCK_SIZE
+    n_kv = math.ceil(KV / bk)
+
+    def blocks(num: Tensor | None, idx: Tensor | None) -> Tensor:  # (B, H, n_q) + (B, H, n_q, n) -> (B, H, Q, KV)
+        dense = torch.zeros(B, H, n_q, n_kv + 1, dtype=torch.bool, device=mask.kv_num_blocks.device)
+        if num is not None and idx is not None:
+            listed = torch.arange(idx.shape[-1], device=idx.device) < num[..., None]  # the first num entries count
+            dense.scatter_(-1, torch.where(listed, idx.long(), n_kv), True)  # the rest land in a dropped column
+        dense = dense[..., :n_kv]
+        return dense.repeat_interleave(bq, 2).repeat_interleave(bk, 3)[:, :, :Q, :KV]
+
+    partial = blocks(mask.kv_num_blocks, mask.kv_indices)
+    full = blocks(mask.full_kv_num_blocks, mask.full_kv_indices)
+    allowed = create_mask(mask.mask_mod, B, H, Q, KV, device=mask.kv_num_blocks.device).bool()
+    return full | (partial & allowed)
+
+
+class _FlexDenseBackward(torch.autograd.Function):
+    """FlexAttention where torch has no backward for it (the CPU: inputs that require grad are refused). The
+    forward runs Flex (``call``) on the inputs detached; the backward differentiates the same attention written
+    densely, softmax(q k^T / sqrt(D) + mask) v over ``block_mask_to_dense`` of the BlockMask (a query that sees
+    no key gets zeros, as Flex gives). Memory O(Tq x Tk) per head, as SDPA with a dense mask: CPU runs and tests."""
+
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, mask: BlockMask, call: Callable) -> Tensor:  # type: ignore[override]
+        ctx.save_for_backward(q, k, v)
+        ctx.mask = mask
+        return call(q.detach(), k.detach(), v.detach())
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple:  # type: ignore[override]
+        q, k, v = ctx.saved_tensors
+        allowed = block_mask_to_dense(ctx.mask)[..., :q.shape[2], :k.shape[2]]  # (B|1, H|1, Tq, Tk)
+        with torch.enable_grad():
+            q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+            rep = q.shape[1] // k.shape[1]  # GQA: query head h reads key/value head h // rep
+            kr, vr = (k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)) if rep > 1 else (k, v)
+            scores = (q @ kr.transpose(-2, -1)) * q.shape[-1] ** -0.5
+            probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1).nan_to_num(0.0)
+            dq, dk, dv = torch.autograd.grad(probs @ vr, (q, k, v), grad)
+        return dq, dk, dv, None, None
 
 
 # omni.introspect.capture sets ``record`` on attention modules to a reference attention (explicit softmax) that

@@ -329,3 +329,41 @@ def test_gradients_flow_to_every_parameter():
     missing = [n for n, p in trunk.named_parameters() if p.grad is None or not torch.isfinite(p.grad).all()]
     # learned position rows/cols beyond the used positions get zero (not None) grads
     assert missing == []
+
+
+def test_flex_mode_is_checked_and_restored():
+    from omni import trunk as trunk_module
+    from omni.trunk import flex_mode
+
+    with pytest.raises(ValueError, match="unknown flex mode 'fast'"):
+        with flex_mode("fast"):  # type: ignore[arg-type]
+            pass
+    with flex_mode("eager"):
+        assert trunk_module._flex_mode == "eager"
+        with pytest.raises(RuntimeError):
+            with flex_mode("compiled"):
+                raise RuntimeError
+        assert trunk_module._flex_mode == "eager"
+    assert trunk_module._flex_mode == "auto"
+
+
+@pytest.mark.parametrize("kv_heads", [4, 1])
+def test_block_mask_attention_trains_on_cpu(kv_heads):
+    """Torch refuses FlexAttention inputs that require grad on the CPU; the trunk's Flex path differentiates the
+    dense form of the BlockMask instead: q/k/v gradients equal SDPA's with the dense mask (eager Flex forward)."""
+    B, H, T, D = 2, 4, 256, 8
+    g = torch.Generator().manual_seed(3)
+    q0, k0, v0 = torch.randn(B, H, T, D, generator=g), torch.randn(B, kv_heads, T, D, generator=g), \
+        torch.randn(B, kv_heads, T, D, generator=g)
+    qi, ki = torch.arange(T)[:, None], torch.arange(T)[None, :]
+    allowed = ((qi - ki).abs() < 37) & (ki <= qi + 5)
+    bm = create_block_mask(lambda b, h, qq, kk: ((qq - kk).abs() < 37) & (kk <= qq + 5), None, None, T, T,
+                           device="cpu")
+    grads = []
+    for mask in (bm, allowed):
+        q, k, v = (t.clone().requires_grad_() for t in (q0, k0, v0))
+        out = attend(q, k, v, mask)
+        (out * torch.linspace(-1, 1, D)).sum().backward()
+        grads.append((out.detach(), q.grad, k.grad, v.grad))
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
