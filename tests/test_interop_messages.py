@@ -189,3 +189,41 @@ def test_predict_on_a_backbone_export_says_it_has_no_classifier(tmp_path, capsys
                     prog="omni predict")
     assert err.endswith(f"{export}: this export has no classifier head (a backbone, 0 classes): fine-tune it on "
                         "labelled images first (recipes/vit.py --set init=...)"), err
+
+
+# ----------------------------------------------------------------------------------------------------
+# GPT-2: the source dtype goes back; generate fills the position table
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_a_gpt2_goes_back_to_hf_in_its_own_dtype(tmp_path, dtype):
+    from safetensors.torch import load_file
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from omni.interop import convert, to_peer
+
+    torch.manual_seed(0)
+    peer = GPT2LMHeadModel(GPT2Config(vocab_size=50257, n_positions=16, n_embd=32, n_layer=1, n_head=2)).to(dtype)
+    peer.save_pretrained(tmp_path / "hf")
+    export = convert(tmp_path / "hf", tmp_path / "omni")
+    recorded = json.loads((export / "config.json").read_text())["source"]
+    assert recorded.get("dtype") == (None if dtype == torch.float32 else str(dtype).removeprefix("torch."))
+    back = to_peer(export, tmp_path / "back", "hf")
+    original, again = (load_file(str(d / "model.safetensors")) for d in (tmp_path / "hf", back))
+    assert {v.dtype for v in again.values()} == {dtype}  # bf16 came back as float32 before
+    assert set(again) <= set(original) and all(torch.equal(again[k], original[k]) for k in again)
+    source, written = (json.loads((d / "config.json").read_text()) for d in (tmp_path / "hf", back))
+    assert written.get("dtype") == source.get("dtype")
+
+
+def test_a_hf_vit_goes_back_in_its_own_dtype(tmp_path):
+    from safetensors.torch import load_file
+
+    from omni.interop import convert, to_peer
+
+    torch.manual_seed(0)
+    ViTModel(ViTConfig(**SMALL)).to(torch.bfloat16).save_pretrained(tmp_path / "hf")
+    back = to_peer(convert(tmp_path / "hf", tmp_path / "omni"), tmp_path / "back", "hf")
+    original, again = (load_file(str(d / "model.safetensors")) for d in (tmp_path / "hf", back))
+    assert set(again) == set(original) and all(torch.equal(again[k], v) for k, v in original.items())
+    assert {v.dtype for v in again.values()} == {torch.bfloat16}

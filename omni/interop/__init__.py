@@ -78,6 +78,26 @@ def check_tensors(tensors: Mapping[str, Tensor], expected: Mapping[str, torch.Si
                               f"unexpected {names(set(tensors) - set(expected))}")
 
 
+def source_dtype(tensors: Mapping[str, Tensor]) -> str | None:
+    """The one floating dtype of a peer checkpoint's tensors when it is not float32 ("bfloat16", "float16"), for
+    the export to record (``source`` "dtype") and the way back to restore (``cast_tensors``); None for float32 or a
+    mix (written back as the export holds them). Exports hold float32: bf16 and fp16 values convert exactly."""
+    kinds = {t.dtype for t in tensors.values() if t.is_floating_point()}
+    if len(kinds) != 1 or kinds == {torch.float32}:
+        return None
+    return str(next(iter(kinds))).removeprefix("torch.")
+
+
+def cast_tensors(tensors: Mapping[str, Tensor], dtype: str | None) -> dict[str, Tensor]:
+    """``tensors`` with every floating one in ``dtype`` (a ``source_dtype`` name; None: as they are)."""
+    if dtype is None:
+        return dict(tensors)
+    kind = getattr(torch, dtype, None)
+    if not isinstance(kind, torch.dtype) or not kind.is_floating_point:
+        raise ConversionError(f"the export's source dtype {dtype!r} is not a torch floating dtype")
+    return {k: v.to(kind) if v.is_floating_point() else v for k, v in tensors.items()}
+
+
 def get_converter(name: str) -> Converter:
     if name not in CONVERTERS:
         raise ConversionError(f"no converter for {name!r}; available: {', '.join(CONVERTERS)}")
@@ -226,6 +246,7 @@ from omni.interop import hf_vit as _hf_vit  # noqa: E402  (imports timm's module
 from omni.interop import timm as _timm  # noqa: E402
 from omni.interop import whisper as _whisper  # noqa: E402  (hf family "whisper" and the "openai-whisper" converter)
 
-__all__ = ["CONVERTERS", "ConversionError", "Converter", "Export", "check_tensors", "convert", "find_converter",
-           "fresh_output", "get_converter", "is_export", "names", "read_config", "read_directory", "read_export", "read_model",
-           "read_state_dict", "register_converter", "to_peer", "write_export"]
+__all__ = ["CONVERTERS", "ConversionError", "Converter", "Export", "cast_tensors", "check_tensors", "convert",
+           "find_converter", "fresh_output", "get_converter", "is_export", "names", "read_config", "read_directory",
+           "read_export", "read_model", "read_state_dict", "register_converter", "source_dtype", "to_peer",
+           "write_export"]

@@ -50,7 +50,7 @@ import torch
 from torch import Tensor
 
 from omni.export import load_config, load_pretrained, save_pretrained
-from omni.interop import ConversionError, check_tensors, read_directory
+from omni.interop import ConversionError, cast_tensors, check_tensors, read_directory, source_dtype
 from omni.interop.hf import HFFamily, register_hf_family, write_hf_files
 from omni.trunk import TrunkConfig
 
@@ -160,14 +160,16 @@ def _hf_tensors(state_dict: Mapping[str, Tensor], tied: bool) -> dict[str, Tenso
     return out
 
 
-def export_config(trunk: TrunkConfig, tied: bool, source: Mapping[str, Any] | None = None) -> dict[str, Any]:
+def export_config(trunk: TrunkConfig, tied: bool, source: Mapping[str, Any] | None = None,
+                  dtype: str | None = None) -> dict[str, Any]:
     """The export config of a GPT-2 text LM: the "omni" builder with one LM head, recorded as an LM task (the
-    multitask recipe's layout, so omni's LM training and tooling read it)."""
+    multitask recipe's layout, so omni's LM training and tooling read it); ``source``: the HF config, ``dtype``:
+    its tensors' dtype when not float32 (``omni.interop.source_dtype``: written back in it)."""
     head = {"type": "lm", "vocab_size": GPT2_VOCAB, **({"tie_to": "text"} if tied else {})}
     config = {"builder": BUILDER, "trunk": trunk.to_dict(), "heads": {HEAD: head},
               "tasks": {HEAD: {"kind": "lm", "weight": 1.0}}}
     if source is not None:
-        config["source"] = {"format": SOURCE_FORMAT, "config": dict(source)}
+        config["source"] = {"format": SOURCE_FORMAT, "config": dict(source), **({"dtype": dtype} if dtype else {})}
     return config
 
 
@@ -205,7 +207,7 @@ def from_hf(state_dict: Mapping[str, Tensor], hf_config: Mapping[str, Any]
         out[HEAD_WEIGHT] = out[TOKEN]  # one tensor: the head is the table
     out[TYPE_EMBEDDING] = torch.zeros(d, dtype=out[TOKEN].dtype)  # HF has no modality vector: zero adds nothing
     tokenizer = gpt2_tokenizer(max_length=trunk.max_positions)
-    return export_config(trunk, tied, hf_config), out, {"text": tokenizer}
+    return export_config(trunk, tied, hf_config, source_dtype(sd)), out, {"text": tokenizer}
 
 
 def text_lm_head(config: Mapping[str, Any]) -> str | None:
@@ -239,8 +241,10 @@ def to_hf(export: str | os.PathLike) -> tuple[dict[str, Any], dict[str, Tensor]]
     shift = own[TYPE_EMBEDDING]
     if bool(shift.any()):  # HF adds wte + wpe only: fold the modality vector into every position row
         sd["transformer.wpe.weight"] = sd["transformer.wpe.weight"] + shift
-    sd = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in sd.items()}
     recorded = config.get("source", {})
+    # in the checkpoint's own dtype (a bf16 GPT-2 goes back in bf16); the export holds float32
+    dtype = recorded.get("dtype") if recorded.get("format") == SOURCE_FORMAT else None
+    sd = cast_tensors({k: v.detach().to("cpu", copy=True).contiguous() for k, v in sd.items()}, dtype)
     source = dict(recorded.get("config", {})) if recorded.get("format") == SOURCE_FORMAT else {}
     inner = model.trunk.blocks[0].mlp.up.out_features
     hf_config = {**source, "model_type": MODEL_TYPE, "architectures": ["GPT2LMHeadModel"], "vocab_size": vocab,

@@ -61,7 +61,7 @@ import torch
 from torch import Tensor
 
 from omni.heads import HEAD_NORM_EPS
-from omni.interop import ConversionError, Export, names, read_directory, read_export
+from omni.interop import ConversionError, Export, cast_tensors, names, read_directory, read_export, source_dtype
 from omni.interop.hf import HFFamily, register_hf_family, write_hf_files
 from omni.interop.timm import PATCH_WEIGHT, TYPE_EMBEDDING, layout
 from omni.tokenizers.image import ImageTokenizer
@@ -224,7 +224,8 @@ def from_hf(state_dict: Mapping[str, Tensor], hf_config: Mapping[str, Any],
         out.setdefault(key, torch.zeros(shape))  # the type embedding; qkv biases when qkv_bias is false
     config = {**classifier.export_config(_class_names(hf_config, n_classes)),
               "source": {"format": SOURCE_FORMAT, "config": dict(hf_config),
-                         **({"processor": dict(processor)} if processor else {})}}
+                         **({"processor": dict(processor)} if processor else {}),
+                         **({"dtype": dtype} if (dtype := source_dtype(state_dict)) else {})}}
     return config, out, {"image": image}
 
 
@@ -314,6 +315,7 @@ def to_hf(config: Mapping[str, Any], state_dict: Mapping[str, Tensor], image: Im
     sd["embeddings.cls_token"] = sd["embeddings.cls_token"] + kind
     if n_classes > 0:
         sd = {k if k == "classifier.weight" or k == "classifier.bias" else f"vit.{k}": v for k, v in sd.items()}
+    sd = cast_tensors(sd, source.get("dtype") if source_cfg else None)  # a bf16 checkpoint goes back in bf16
     act = source_cfg.get("hidden_act")  # kept where it names the same function (gelu_new)
     names = config.get("class_names")
     # the source's labels where they fit (a backbone keeps its own, or none: transformers 5 writes no id2label for
