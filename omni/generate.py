@@ -15,7 +15,8 @@ The pieces:
                 Without a cache every step runs each row's prompt + tokens so far whole: the reference.
     Sampler     a LogitFilter: temperature, top-k, then the Gumbel-max trick (the argmax of logits / T - log E,
                 E ~ Exp(1), is a sample of softmax(logits / T)), so the Greedy strategy's argmax samples, with
-                fixed shapes and no host sync.
+                fixed shapes and no host sync. Below T = 1 it takes the same argmax as logits - T log E, which
+                stays finite as T -> 0 and becomes greedy (logits / 1e-39 overflowed: every row tied at inf).
 
 Greedy generation (the default) equals Hugging Face's ``generate(do_sample=False)`` token for token: a row ends at
 eos or after ``max_new_tokens``, and, unlike transcription, no repetition guard stops it. Returned ids exclude
@@ -24,6 +25,7 @@ the prompt and eos.
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Any, Iterator, Sequence
 
@@ -139,8 +141,8 @@ class Sampler:
     ``top_k`` most likely tokens when given (Gumbel-max: module docstring). ``seed`` makes the draws repeatable."""
 
     def __init__(self, temperature: float, top_k: int | None = None, seed: int | None = None) -> None:
-        if not temperature > 0:
-            raise ValueError(f"temperature must be > 0 to sample, got {temperature}")
+        if not (math.isfinite(temperature) and temperature > 0):
+            raise ValueError(f"temperature must be a finite number > 0 to sample, got {temperature}")
         if top_k is not None and top_k < 1:
             raise ValueError(f"top_k must be >= 1, got {top_k}")
         self.temperature, self.top_k, self.seed = temperature, top_k, seed
@@ -153,12 +155,16 @@ class Sampler:
                 self.generator.seed()
             else:
                 self.generator.manual_seed(self.seed)
-        logits = logits.float() / self.temperature
-        if self.top_k is not None and self.top_k < logits.shape[-1]:
+        logits = logits.float()
+        if self.top_k is not None and self.top_k < logits.shape[-1]:  # dividing by T > 0 keeps the order
             kth = logits.topk(self.top_k, dim=-1).values[:, -1:]  # (N, 1)
             logits = logits.masked_fill(logits < kth, NEG_INF)
-        race = torch.empty_like(logits).exponential_(generator=self.generator)  # E ~ Exp(1) per token
-        return logits - race.log()
+        race = torch.empty_like(logits).exponential_(generator=self.generator).log()  # log E, E ~ Exp(1) per token
+        # argmax(logits / T - log E) == argmax(logits - T log E) for T > 0: the first form stays finite for a
+        # large T, the second for a small one (and tends to the greedy argmax as T -> 0)
+        if self.temperature >= 1.0:
+            return logits / self.temperature - race
+        return logits - self.temperature * race
 
 
 @torch.no_grad()
@@ -173,8 +179,9 @@ def generate_ids(lm: CausalLM, prompts: Sequence[Sequence[int]], *, max_new_toke
         return []
     if any(len(p) == 0 for p in prompts):
         raise ValueError("a prompt has no tokens: give at least one id (e.g. the tokenizer's bos)")
-    if temperature < 0 or (temperature == 0 and (top_k is not None or seed is not None)):
-        raise ValueError(f"temperature {temperature}: 0 is greedy (no top_k or seed), > 0 samples")
+    if not math.isfinite(temperature) or temperature < 0 or (temperature == 0 and (top_k is not None or
+                                                                                  seed is not None)):
+        raise ValueError(f"temperature {temperature}: 0 is greedy (no top_k or seed), a finite number > 0 samples")
     longest = max(len(p) for p in prompts)
     options = DecodingOptions(max_new_tokens, tokens_per_second=None, max_repeats=None, min_new_tokens=min_new_tokens)
     if lm.max_positions is not None and longest + max_new_tokens > lm.max_positions:
