@@ -338,7 +338,7 @@ class Checkpointer:
                                     f"was removed and {kept}: {need}, {_mib(_export.free_bytes(self.root))} are free "
                                     f"on {self.root}; free space and run again (it resumes from there)") from exc
             if (denied := _export.not_writable(exc)) is not None:
-                raise denied(f"cannot write checkpoint {final}: {self.root} is not writable "
+                raise denied(errno.EACCES, f"cannot write checkpoint {final}: {self.root} is not writable "
                              f"({exc.strerror if isinstance(exc, OSError) else exc}); {kept}. Make it writable, or "
                              "use another output directory (--out)") from exc
             raise

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import json
 import math
 import os
 import sys
+import tempfile
 import warnings
 from pathlib import Path
 from typing import Any, Callable, Iterator, NoReturn, Sequence
@@ -151,6 +153,40 @@ def one_line(exc: BaseException) -> str:
     return " ".join(str(text).split()) or type(exc).__name__
 
 
+# -- output folders: checked before any work, and a write that fails later is named, never the export ----------
+def _writable_dir(option: str, directory: str) -> None:
+    """Create ``directory`` and write a few bytes there: UsageError naming the option and the folder when it is
+    a file, read-only or full (probed by writing: root ignores permission bits, and only a write sees a full
+    disk)."""
+    path = Path(directory)
+    if path.exists() and not path.is_dir():
+        raise UsageError(f"{option} {directory}: not a directory")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path) as probe:
+            probe.write(b"\0" * 4096)
+            probe.flush()
+            os.fsync(probe.fileno())
+    except OSError as exc:
+        raise UsageError(_write_error(option, directory, exc)) from exc
+
+
+def _write_error(option: str, directory: str | Path, exc: OSError) -> str:
+    """The one line for an output folder that cannot be written: which option, which folder, why."""
+    why = {errno.ENOSPC: "the disk is full (no space left on device)", errno.EDQUOT: "the disk quota is exceeded",
+           errno.EROFS: "it is on a read-only file system", errno.EACCES: "permission denied",
+           errno.EPERM: "permission denied"}.get(exc.errno or 0, exc.strerror or str(exc))
+    where = f" ({exc.filename})" if exc.filename and str(exc.filename) != str(directory) else ""
+    return f"{option} {directory}: cannot write there{where}: {why}"
+
+
+def _writing(option: str, directory: str | Path | None, exc: BaseException) -> bool:
+    """Whether ``exc`` is a failed write of an output under ``directory`` (not reading the export or an input)."""
+    return (directory is not None and isinstance(exc, OSError)
+            and exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM)
+            and (not exc.filename or Path(directory) in (Path(str(exc.filename)), *Path(str(exc.filename)).parents)))
+
+
 # -- predict / transcribe: one result per file ----------------------------------------------------------------
 def _run_on_files(args: argparse.Namespace, files: Sequence[str], run: Callable[[Path], list[Any]],
                   text: Callable[[Any], str], entry: Callable[[Any], dict[str, Any]],
@@ -205,13 +241,18 @@ def _predict(args: argparse.Namespace) -> int:
             require("matplotlib", "viz")
         except MissingDependency as exc:
             raise UsageError(f"--attention draws pictures: {exc}") from exc
-        if Path(args.attention).exists() and not Path(args.attention).is_dir():
-            raise UsageError(f"--attention {args.attention}: not a directory")
+        _writable_dir("--attention", args.attention)
         pictures = {f: str(p) for f, p in zip(args.images, attention_paths(args.images, args.attention))}
 
     def run(checkpoint: Path) -> list[Any]:  # (file, top-k) per readable file: its json entry names its picture
-        results = predict_files(checkpoint, args.images, top_k=args.top_k, device=args.device, return_exceptions=True,
-                                attention=args.attention, attention_method=args.attention_method)
+        try:
+            results = predict_files(checkpoint, args.images, top_k=args.top_k, device=args.device,
+                                    return_exceptions=True, attention=args.attention,
+                                    attention_method=args.attention_method)
+        except OSError as exc:  # a picture that could not be written (the disk filled meanwhile)
+            if _writing("--attention", args.attention, exc):
+                raise UsageError(_write_error("--attention", args.attention, exc)) from exc
+            raise
         return [r if isinstance(r, Exception) else (f, r) for f, r in zip(args.images, results)]
 
     def entry(result: tuple[str, list[tuple[str, float]]]) -> dict[str, Any]:
@@ -236,8 +277,8 @@ def _transcribe(args: argparse.Namespace) -> int:
     outputs: dict[str, Path] = {}
     pictures: dict[str, Path] = {}
     for option, directory in (("--output-dir", args.output_dir), ("--alignment", args.alignment)):
-        if directory is not None and Path(directory).exists() and not Path(directory).is_dir():
-            raise UsageError(f"{option} {directory}: not a directory")
+        if directory is not None:
+            _writable_dir(option, directory)
     if args.alignment is not None:
         from omni.deps import MissingDependency, require
 
@@ -279,8 +320,14 @@ def _transcribe(args: argparse.Namespace) -> int:
             sr = load_tokenizers(checkpoint)["audio"].sample_rate
             for f, result in zip(args.files, results):
                 if not isinstance(result, Exception):
-                    pictures[f].parent.mkdir(parents=True, exist_ok=True)
-                    write_alignment_png(pictures[f], read_audio_file(f, sr), sr, result, title=f"{f}: {result.text}")
+                    try:
+                        pictures[f].parent.mkdir(parents=True, exist_ok=True)
+                        write_alignment_png(pictures[f], read_audio_file(f, sr), sr, result,
+                                            title=f"{f}: {result.text}")
+                    except OSError as exc:
+                        if _writing("--alignment", args.alignment, exc):
+                            raise UsageError(_write_error("--alignment", args.alignment, exc)) from exc
+                        raise
         # (file, result) per readable file: its json entry names its picture
         return [r if isinstance(r, Exception) else (f, r) for f, r in zip(args.files, results)]
 
@@ -293,10 +340,14 @@ def _transcribe(args: argparse.Namespace) -> int:
 
     def save(f: str, item: tuple[str, Any]) -> None:
         if args.output_dir is not None:
-            outputs[f].parent.mkdir(parents=True, exist_ok=True)
             body = render(item[1], args.format) if args.format != "json" else \
                 json.dumps({"file": f, **entry(item)}, indent=2, ensure_ascii=False) + "\n"
-            print(write_atomic(outputs[f], body))
+            try:
+                outputs[f].parent.mkdir(parents=True, exist_ok=True)
+                written = write_atomic(outputs[f], body)
+            except OSError as exc:  # the disk filled meanwhile: the files printed before are whole
+                raise UsageError(_write_error("--output-dir", args.output_dir, exc)) from exc
+            print(written)
         else:  # one srt / vtt document on stdout
             sys.stdout.write(render(item[1], args.format))
 

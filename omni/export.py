@@ -45,7 +45,7 @@ from typing import Any, Callable, Mapping
 import torch
 from torch import nn
 
-from omni.files import fsync_dir, sha256_file, write_json
+from omni.files import DiskFullError, NotWritableError, fsync_dir, sha256_file, write_json
 
 FORMAT_VERSION = 1
 CONFIG_NAME = "config.json"
@@ -66,11 +66,6 @@ _WEIGHTS_METADATA = {"format": "pt", CHECKSUMS_KEY: CHECKSUMS_NAME}
 
 class IntegrityError(ValueError):
     """A file of an export or a checkpoint is missing, truncated, unreadable or differs from its recorded sha256."""
-
-
-class DiskFullError(OSError):
-    """No space left on the device while writing an export or a checkpoint; the partial write is removed and
-    what was there before is intact."""
 
 
 Builder = Callable[[dict[str, Any], dict[str, Any]], nn.Module]  # (config, tokenizers) -> module
@@ -216,8 +211,8 @@ def _save_pretrained(model: nn.Module, directory: Path, config: Mapping[str, Any
         tmp.mkdir()
     except OSError as exc:
         if (denied := not_writable(exc)) is not None:
-            raise denied(f"cannot write the export {directory}: {_existing(directory.parent)} is not writable "
-                         f"({exc.strerror})") from exc
+            raise denied(exc.errno, f"cannot write the export {directory}: {_existing(directory.parent)} is not "
+                         f"writable ({exc.strerror})") from exc
         raise
     try:
         if state_dict is None:
@@ -265,7 +260,7 @@ def _save_pretrained(model: nn.Module, directory: Path, config: Mapping[str, Any
                                 f"{_mib(free_bytes(directory.parent))} are free on {directory.parent}; free space "
                                 "and export again") from exc
         if isinstance(exc, Exception) and (denied := not_writable(exc)) is not None:
-            raise denied(f"cannot write the export {directory}: {directory.parent} is not writable "
+            raise denied(errno.EACCES, f"cannot write the export {directory}: {directory.parent} is not writable "
                          f"({getattr(exc, 'strerror', None) or exc}); {kept}") from exc
         raise
     return directory
@@ -482,11 +477,6 @@ def is_disk_full(exc: BaseException, where: str | os.PathLike | None = None) -> 
             return True
         seen = seen.__cause__ or seen.__context__
     return False
-
-
-class NotWritableError(PermissionError):
-    """A folder to write (an output directory, a checkpoint, an export) is read-only or not ours: one line
-    naming it (the recipes and the CLI report PermissionError as a user error)."""
 
 
 def not_writable(exc: BaseException) -> type[NotWritableError] | None:

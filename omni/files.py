@@ -3,12 +3,49 @@ writes, and output names."""
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
 import tempfile
 from pathlib import Path
 from typing import Any, Sequence
+
+
+class DiskFullError(OSError):
+    """No space left on the device while writing an export, a checkpoint or an output file; the partial write
+    is removed and what was there before is intact. ``DiskFullError(errno.ENOSPC, message)``: its text is the
+    message alone (one line for the user), its errno ENOSPC."""
+
+    def __str__(self) -> str:
+        return self.strerror if self.errno is not None and self.strerror else super().__str__()
+
+
+class NotWritableError(PermissionError):
+    """A folder to write (an output directory, a checkpoint, an export) is read-only or not ours:
+    ``NotWritableError(errno, message)``, one line naming it (recipes and the CLI report PermissionError as a
+    user error)."""
+
+    def __str__(self) -> str:
+        return self.strerror if self.errno is not None and self.strerror else super().__str__()
+
+
+def write_failure(exc: BaseException, path: str | os.PathLike, what: str = "") -> OSError | None:
+    """For an OSError met writing ``path``: a ``DiskFullError`` (ENOSPC, EDQUOT) or ``NotWritableError``
+    (EROFS, EACCES, EPERM) whose message names ``what`` (default: the file) and its folder, else None."""
+    if not isinstance(exc, OSError) or isinstance(exc, (DiskFullError, NotWritableError)):
+        return None
+    path = Path(path)
+    what = what or str(path)
+    folder = next((p for p in path.parents if p.is_dir()), path.parent)  # the one that refused a new entry
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        kept = f" (the earlier {path.name} is unchanged)" if path.is_file() else ""
+        return DiskFullError(errno.ENOSPC, f"disk full (no space left on device) while writing {what}; it was not "
+                             f"written{kept}: free space on {folder}")
+    if exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+        why = "a read-only file system" if exc.errno == errno.EROFS else "permission denied"
+        return NotWritableError(exc.errno, f"cannot write {what}: {folder} is not writable ({why})")
+    return None
 
 
 def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
@@ -38,10 +75,14 @@ def _umask() -> int:
 def write_atomic(path: str | os.PathLike, data: str | bytes) -> Path:
     """Write ``data`` to ``path`` so a reader sees the old file or the whole new one, never a part: a temporary
     file in the same folder, flushed to disk, renamed over ``path``, the folder entry flushed. A failed write
-    (a full disk) leaves the old file and no temporary."""
+    (a full disk) leaves the old file and no temporary, and raises ``DiskFullError``; a read-only folder raises
+    ``NotWritableError`` (both OSErrors, with the errno of the cause)."""
     path = Path(path)
     raw = data.encode("utf-8") if isinstance(data, str) else data
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except OSError as exc:
+        raise (write_failure(exc, path) or exc) from exc
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(raw)
@@ -49,8 +90,10 @@ def write_atomic(path: str | os.PathLike, data: str | bytes) -> Path:
             os.fsync(f.fileno())
         os.chmod(tmp, 0o666 & ~_umask())  # what open() would have made, not mkstemp's private 0600
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
         Path(tmp).unlink(missing_ok=True)
+        if (failure := write_failure(exc, path)) is not None:  # one line naming the file, not a traceback
+            raise failure from exc
         raise
     fsync_dir(path.parent)
     return path

@@ -19,6 +19,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from omni.files import write_failure
+
 try:  # POSIX; on Windows the lock degrades to the holder file alone
     import fcntl
 except ImportError:  # pragma: no cover
@@ -58,8 +60,11 @@ class DirectoryLock:
             return self
         if self.directory.exists() and not self.directory.is_dir():
             raise NotADirectoryError(f"{self.what} {self.directory} exists and is not a directory")
-        self.directory.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            raise (write_failure(exc, self.path, f"the lock file of the {self.what} {self.directory}") or exc) from exc
         try:
             if fcntl is not None:
                 try:
@@ -71,8 +76,11 @@ class DirectoryLock:
                     "command": " ".join(sys.argv)[:300]}
             os.ftruncate(fd, 0)
             os.pwrite(fd, (json.dumps(info) + "\n").encode(), 0)
-        except BaseException:
+        except BaseException as exc:
             os.close(fd)
+            # a full disk (the empty file fit, its line does not) or a folder we may not write: one line
+            if (failure := write_failure(exc, self.path, f"the lock file of the {self.what} {self.directory}")):
+                raise failure from exc
             raise
         self._fd = fd
         return self
