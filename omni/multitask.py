@@ -17,6 +17,10 @@ re-exported here, so ``from omni.multitask import ClassifyTask, MixtureLoader, .
 
 from __future__ import annotations
 
+import ast
+import logging
+import re
+import weakref
 from typing import Any, Sequence
 
 import torch
@@ -41,6 +45,41 @@ def merge_tokenizers(tasks: Sequence[Task]) -> dict[str, Tokenizer]:
     return out
 
 
+class _TiedTensorsSaved(logging.Filter):
+    """Drops Accelerate's "Removed shared tensor {...} while saving" warning when every name it removed is a tied
+    alias of a live MultitaskModel (an LM head sharing the text embedding table). safetensors cannot store one
+    tensor twice, so ``save_state`` keeps one name; ``load_state`` fills the tied one back (it is the same
+    tensor), so the warning, printed at every checkpoint, reports nothing wrong. Any other shared tensor still
+    warns."""
+
+    MESSAGE = re.compile(r"(?:\[RANK \d+\] )?Removed shared tensor (\{.*?\}) while saving")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.models: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        found = self.MESSAGE.match(record.getMessage())
+        if found is None:
+            return True
+        try:
+            removed = ast.literal_eval(found.group(1))
+        except (ValueError, SyntaxError):
+            return True
+        from omni.export import tied_names
+
+        for model in list(self.models):
+            tied = {name for group in tied_names(model) for name in group}
+            # the saved module may be wrapped (DDP: "module." first): a removed name ends with a tied one
+            if removed and all(any(n == t or n.endswith(f".{t}") for t in tied) for n in removed):
+                return False
+        return True
+
+
+_TIED_SAVES = _TiedTensorsSaved()
+logging.getLogger("accelerate.utils.other").addFilter(_TIED_SAVES)  # where Accelerate logs that warning
+
+
 class MultitaskModel(nn.Module):
     """OmniModel (embedders -> trunk -> every task's heads) whose forward returns (loss, per-task metrics).
 
@@ -59,6 +98,7 @@ class MultitaskModel(nn.Module):
                 if name in self.omni.heads:  # e.g. a task named "asr_ctc" next to asr's CTC head
                     raise ValueError(f"task {t.name!r} makes a head {name!r} that another task already made")
                 self.omni.heads[name] = head
+        _TIED_SAVES.models.add(self)  # its tied LM head: no "Removed shared tensor" warning at each checkpoint
 
     def export_config(self) -> dict[str, Any]:
         """config.json for ``omni.export.load_pretrained`` (the built-in "omni" builder) of ``self.omni``: the heads,

@@ -227,3 +227,44 @@ def test_a_hf_vit_goes_back_in_its_own_dtype(tmp_path):
     original, again = (load_file(str(d / "model.safetensors")) for d in (tmp_path / "hf", back))
     assert set(again) == set(original) and all(torch.equal(again[k], v) for k, v in original.items())
     assert {v.dtype for v in again.values()} == {torch.bfloat16}
+
+
+# ----------------------------------------------------------------------------------------------------
+# Checkpoints of a tied LM head: no "Removed shared tensor" warning; another shared tensor still warns
+
+
+def test_a_tied_lm_head_checkpoints_without_the_shared_tensor_warning(tmp_path, caplog):
+    import logging
+
+    from accelerate import Accelerator
+
+    from omni.multitask import LMTask, MultitaskModel
+    from omni.tokenizers.text import TextTokenizer
+    from omni.trunk import preset
+
+    torch.manual_seed(0)
+    model = MultitaskModel([LMTask("text", TextTokenizer(), ["hello there"])], preset("tiny"))
+    acc = Accelerator(cpu=True)
+    prepared = acc.prepare(model)
+    with caplog.at_level(logging.WARNING):
+        acc.save_state(str(tmp_path / "ckpt"))
+    assert "Removed shared tensor" not in caplog.text
+    table = model.omni.embedders["text"].token.weight
+    saved = table.detach().clone()
+    with torch.no_grad():
+        table.zero_()
+    acc.load_state(str(tmp_path / "ckpt"))  # the head is the table again, with the saved values
+    head = acc.unwrap_model(prepared).omni.heads["text"].proj.weight
+    assert head is table and torch.equal(head, saved)
+
+    class Shared(torch.nn.Module):  # a shared tensor that is no MultitaskModel's tie: Accelerate's warning stays
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+            self.b.weight = self.a.weight
+
+    other = Accelerator(cpu=True)
+    other.prepare(Shared())
+    with caplog.at_level(logging.WARNING):
+        other.save_state(str(tmp_path / "other"))
+    assert "Removed shared tensor {'b.weight'} while saving" in caplog.text
