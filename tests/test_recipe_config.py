@@ -27,16 +27,17 @@ def recipes():
     return {name: load(name) for name in RECIPES}
 
 
-def parse(recipe, *items: str, preset: str = "tiny") -> dict:
-    """parse_args, with --data where the recipe has it (the ViT's B/16 preset needs one; none is read)."""
-    data = [] if recipe.__name__.endswith("multimodal") else ["--data", "/nonexistent/data"]
+def parse(recipe, *items: str, preset: str = "tiny", data: bool = True) -> dict:
+    """parse_args, with --data where the recipe has it (the ViT's B/16 preset needs one; none is read) unless
+    ``data`` is False (--data turns a ``build`` entry off)."""
+    data = ["--data", "/nonexistent/data"] if data and "data" in recipe.COMMON else []
     return recipe.parse_args(["--preset", preset, *data, *items])
 
 
-def rejected(recipe, capsys, *items: str) -> str:
+def rejected(recipe, capsys, *items: str, data: bool = True) -> str:
     """The one error line of a refused command line (exit status 2, as argparse's errors)."""
     with pytest.raises(SystemExit) as exc:
-        parse(recipe, *items)
+        parse(recipe, *items, data=data)
     assert exc.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert "Traceback" not in "\n".join(err)
@@ -74,7 +75,31 @@ def test_repeated_set_flags_all_count_in_order(recipes, name):
     ("resume=maybe", "resume must be 'auto', 'force' or 'never', got 'maybe'"),
     ("workers=-1", "workers must be an integer >= 0, got -1"),
     ("trunk='XL'", "trunk must be 'tiny', "),
-    ("trunk_overrides={'dmodel': 8}", "trunk_overrides must be a dict (keyed by TrunkConfig fields: d_model, "),
+    ("trunk_overrides={'dmodel': 8}", "trunk_overrides has no entry 'dmodel'; entries: activation, bias, "),
+    # issue 29: values that were never checked
+    ("steps=1e100", "steps must be an integer >= 1, got 1e+100: integers must fit in 64 bits (|n| < 2**63)"),
+    ("compile='nonsense'", "compile must be True, False, 'default', 'reduce-overhead', 'max-autotune' or "
+                           "'max-autotune-no-cudagraphs', got 'nonsense'"),
+    ("lr=1e308", "lr must be a finite number > 0, got 1e+308: numbers must be within +-1e+15"),
+    ("seed=-1", "seed must be an integer in [0, 2147483647], got -1"),
+    ("seed=2147483648", "seed must be an integer in [0, 2147483647], got 2147483648"),
+    ("seed=1180591620717411303424", "seed must be an integer in [0, 2147483647], got 1180591620717411303424: "
+                                    "integers must fit in 64 bits"),
+    ("trunk_overrides.d_model=-1", "trunk_overrides.d_model must be an integer >= 1, got -1"),
+    ("trunk_overrides={'d_model': -1}", "trunk_overrides.d_model must be an integer >= 1, got -1"),
+    ("trunk_overrides.n_layers=0", "trunk_overrides.n_layers must be an integer >= 1, got 0"),
+    ("trunk_overrides.d_model=1.5", "trunk_overrides.d_model must be an integer >= 1, got 1.5"),
+    ("trunk_overrides.d_model='big'", "trunk_overrides.d_model must be an integer >= 1, got 'big'"),
+    ("trunk_overrides.n_heads=True", "trunk_overrides.n_heads must be an integer >= 1, got True"),
+    ("trunk_overrides.bias=1", "trunk_overrides.bias must be True or False, got 1"),
+    ("trunk_overrides.norm='batch'", "trunk_overrides.norm must be 'layernorm' or 'rmsnorm', got 'batch'"),
+    ("trunk_overrides.mlp_ratio=1e309", "trunk_overrides.mlp_ratio must be a finite number > 0, got inf"),
+    ("trunk_overrides.d_modle=8", "--set 'trunk_overrides.d_modle=8': trunk_overrides has no entry 'd_modle'; "
+                                  "entries: activation, bias, cross_attention, d_model, dropout, final_norm, "
+                                  "max_positions, mlp_ratio, n_heads, n_kv_heads, n_layers, norm, norm_eps, "
+                                  "positions, rope_base"),
+    ("trunk_overrides.n_heads=7", " is not divisible by n_heads 7"),
+    ("text=[]", "text must be a non-empty list of strings or None, got []"),
 ])
 def test_bad_values_stop_at_parsing_with_one_line(recipes, capsys, name, item, line):
     if name == "vit" and item.startswith("steps="):  # the ViT's steps may be None (epochs decide)
@@ -90,17 +115,34 @@ def test_recipe_specific_entries_are_checked(recipes, capsys):
     assert rejected(vit, capsys, "--set", "channels=2").endswith("channels must be 1 or 3, got 2")
     assert rejected(vit, capsys, "--set", "steps=None", "epochs=None").endswith("error: set steps or epochs")
     assert rejected(whisper, capsys, "--set", "build={'trian': 5}").endswith(
-        "build must be a dict (keyed by build_speech_synth's parameters: train, test, test_sentences, per_sentence, "
-        "text, voices, variants, rates, pitches, snrs, noise_kinds, min_words, max_words, seed, workers, shard_size, "
-        "quiet, force) or None, got {'trian': 5}")
+        "build has no entry 'trian'; entries: force, max_words, min_words, noise_kinds, per_sentence, pitches, quiet, "
+        "rates, seed, shard_size, snrs, test, test_sentences, text, train, variants, voices, workers")
+    # the dotted form: any declared entry, typed from build_speech_synth's annotations, checked as the dict form
+    assert rejected(whisper, capsys, "--set", "build.trian=5", data=False).endswith(
+        "--set 'build.trian=5': build has no entry 'trian'; entries: force, max_words, min_words, noise_kinds, "
+        "per_sentence, pitches, quiet, rates, seed, shard_size, snrs, test, test_sentences, text, train, variants, "
+        "voices, workers")
+    for item in ("build.train='many'", "build={'train': 'many'}"):
+        assert rejected(whisper, capsys, "--set", item, data=False).endswith(
+            "build.train must be an integer, got 'many'")
+    assert rejected(whisper, capsys, "--set", "build.voices=3", data=False).endswith(
+        "build.voices must be a list, got 3")
+    assert rejected(whisper, capsys, "--set", "build.seed=-1", data=False).endswith(
+        "build.seed must be an integer in [0, 2147483647], got -1")
+    assert rejected(whisper, capsys, "--set", "build.test=1e100", data=False).endswith(
+        "build.test must be an integer, got 1e+100: integers must fit in 64 bits (|n| < 2**63)")
+    assert parse(whisper, "--set", "build.voices=['en-us']", "build.workers=None", data=False)["build"] == \
+        {"train": 64, "test": 16, "voices": ["en-us"], "workers": None}
+    assert "build is None here: give the whole dict, --set build={...}" in \
+        rejected(whisper, capsys, "--set", "build=None", "build.train=5")
     assert rejected(whisper, capsys, "--set", "audio_positions='learned'").endswith(
         "audio_positions must be 'none' or 'sinusoidal', got 'learned'")
     assert rejected(dt, capsys, "--set", "methods=['dt', 'xx']").endswith("methods[1] must be 'dt', 'bc' or 'fbc', "
                                                                           "got 'xx'")
     assert rejected(dt, capsys, "--set", "methods=[]").endswith("methods must be a non-empty list of 'dt', 'bc', "
                                                                 "'fbc', got []")
-    assert rejected(dt, capsys, "--set", "train_seeds=[0.5]").endswith("train_seeds[0] must be an integer >= 0, "
-                                                                       "got 0.5")
+    assert rejected(dt, capsys, "--set", "train_seeds=[0.5]").endswith("train_seeds[0] must be an integer in "
+                                                                       "[0, 2147483647], got 0.5")
     assert rejected(dt, capsys, "--set", "targets=[1, 'a']").endswith("targets[1] must be a finite number, got 'a'")
     assert rejected(dt, capsys, "--set", "cuda_graph='yes'").endswith("cuda_graph must be True, False or 'auto', "
                                                                       "got 'yes'")
@@ -161,3 +203,82 @@ def test_resume_reaches_the_train_config(recipes, name):
 
     cfg = parse(recipes[name], "--set", "resume='never'", "out='/tmp/x'")
     assert train_config(cfg).resume == "never"
+
+
+# ----------------------------------------------------------------------------------------------------
+# Issue 29: every entry of every recipe against hostile values, and the trunk the entries make
+
+ALL_RECIPES = (*RECIPES, "lm")
+HOSTILE = ("-1", "0", "1.5", "1e100", "1e308", "-1e308", "1e999", "2**64", "18446744073709551616", "True", "'nonsense'",
+           "[]", "{}", "None", "[1e308]", "{'x': 1e308}", "''")
+
+
+@pytest.mark.parametrize("name", ALL_RECIPES)
+def test_every_entry_takes_hostile_values_in_one_line_or_within_bounds(capsys, name):
+    """Each COMMON entry with each hostile value: a one-line refusal (exit 2), or a value within the bounds every
+    entry has (integers of 64 bits, numbers finite and within +-1e15, nested ones included), never a traceback."""
+    from omni.config import FLOAT_LIMIT, INT_LIMIT
+
+    recipe = load(name)
+
+    def bounded(value) -> bool:
+        if isinstance(value, dict):
+            return all(map(bounded, value.values()))
+        if isinstance(value, list):
+            return all(map(bounded, value))
+        if isinstance(value, float):
+            return abs(value) <= FLOAT_LIMIT
+        return not isinstance(value, int) or isinstance(value, bool) or abs(value) < INT_LIMIT
+
+    refused = 0
+    for key in recipe.COMMON:
+        for value in HOSTILE:
+            try:
+                cfg = parse(recipe, "--set", f"{key}={value}", data=False)
+            except SystemExit as exc:
+                assert exc.code == 2, (key, value)
+                lines = capsys.readouterr().err.strip().splitlines()
+                assert ": error: " in lines[-1] and key in lines[-1] and "Traceback" not in "\n".join(lines), lines
+                refused += 1
+                continue
+            assert bounded(cfg[key]), (key, value, cfg[key])
+    assert refused > len(recipe.COMMON) * 4  # most hostile values are refused
+
+
+def test_target_fractions_beyond_the_bound_never_reach_results(capsys):
+    dt = load("decision_transformer")
+    for item, line in [("target_fractions=[1e308]", "target_fractions[0] must be a finite number, got 1e+308: "
+                                                    "numbers must be within +-1e+15"),
+                       ("target_fractions=[-1e308]", "target_fractions[0] must be a finite number, got -1e+308"),
+                       ("target_fractions=[1e999]", "target_fractions[0] must be a finite number, got inf"),
+                       ("targets=[1e308]", "targets[0] must be a finite number, got 1e+308")]:
+        assert line in rejected(dt, capsys, "--set", item)
+
+
+@pytest.mark.parametrize("name, derived", [("vit", "image_size // patch"), ("decision_transformer", "3 x context"),
+                                           ("lm", "context")])
+def test_trunk_fields_a_recipe_sets_itself_are_refused_as_overrides(capsys, name, derived):
+    """max_positions (and positions / dropout where the recipe has those entries) would reach omni.trunk.preset
+    twice: a TypeError traceback before; now one line that says where the value comes from."""
+    recipe = load(name)
+    line = rejected(recipe, capsys, "--set", "trunk_overrides.max_positions=8")
+    assert f"(without max_positions: max_positions comes from {derived})" in line
+    assert rejected(recipe, capsys, "--set", "trunk_overrides={'positions': 'rope'}").endswith(
+        "trunk_overrides.positions: this recipe sets the trunk's positions from its own entry: --set positions=...")
+    if "dropout" in recipe.COMMON:
+        assert "trunk_overrides.dropout: this recipe sets" in rejected(recipe, capsys, "--set",
+                                                                       "trunk_overrides.dropout=0.1")
+
+
+def test_a_trunk_too_big_for_the_machine_is_refused_with_its_estimate(capsys, monkeypatch):
+    import omni.config
+
+    vit = load("vit")
+    monkeypatch.setattr(omni.config, "machine_memory", lambda: 8 * 10**9)
+    line = rejected(vit, capsys, "--set", "trunk_overrides={'d_model': 100_000, 'n_layers': 100}")
+    # 100 layers of 12 d^2 (+ biases and norms) = 1.2e13 parameters, x 16 bytes
+    assert line.endswith("trunk 'tiny' with trunk_overrides {'d_model': 100000, 'n_layers': 100}: about 1.2e+13 "
+                         "parameters, which need about 192 TB to train (48 TB of fp32 weights, as much again for "
+                         "gradients and twice for AdamW's moments): more than this machine's 8 GB of memory"), line
+    cfg = parse(vit, "--set", "trunk_overrides={'d_model': 256, 'n_layers': 8, 'n_heads': 8}")
+    assert cfg["trunk_overrides"] == {"d_model": 256, "n_layers": 8, "n_heads": 8}  # a real size passes
