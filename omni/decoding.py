@@ -324,23 +324,85 @@ class Greedy:
         return [row[:n] for row, n in zip(self.out.tolist(), lengths)]
 
 
+class ScoredGreedy(Greedy):
+    """``Greedy`` as openai-whisper's ``GreedyDecoder``: the argmax (``temperature`` 0) or a sample of
+    ``Categorical(logits / temperature)`` (the same torch draw, so the same tokens under the same RNG state), and
+    ``logprob`` (N,): each row's summed log-probability (of the filtered, untempered logits) of its tokens, eos
+    included. One host-free step, like Greedy."""
+
+    def __init__(self, rows: int, steps: int, eos_id: int, pad_id: int, device: torch.device,
+                 temperature: float = 0.0) -> None:
+        super().__init__(rows, steps, eos_id, pad_id, None, device)
+        self.temperature = temperature
+        self.logprob = torch.zeros(rows, device=device)
+
+    def start(self, limit: Tensor) -> None:
+        super().start(limit)
+        self.logprob.zero_()
+
+    def update(self, logits: Tensor, t: Tensor) -> None:
+        if self.temperature > 0:
+            choice = torch.distributions.Categorical(logits=logits / self.temperature).sample()
+        else:
+            choice = logits.argmax(-1)
+        logp = logits.float().log_softmax(-1).gather(1, choice[:, None])[:, 0]
+        self.logprob.add_(torch.where(self.done, 0.0, logp))
+        # Greedy's bookkeeping on a one-hot of the choice (its argmax is the choice)
+        super().update(torch.nn.functional.one_hot(choice, logits.shape[-1]).float(), t)
+
+
 def length_normalised(score: float, length: int, alpha: float) -> float:
     """GNMT length penalty: score / ((5 + length) / 6) ** alpha (alpha 0 = raw log-probability)."""
     return score / (((5.0 + length) / 6.0) ** alpha)
 
 
+@dataclass(frozen=True)
+class GNMTRanker:
+    """omni's beam ranking: a hypothesis' summed log-probability / ((5 + steps) / 6) ** alpha, steps counting its
+    eos; eos continuations finish only among an input's K best candidates (``eos_until_kept`` False)."""
+
+    alpha: float = 1.0
+    eos_until_kept = False
+
+    def score(self, logprob: float, tokens: int, steps: int) -> float:
+        return length_normalised(logprob, steps, self.alpha)
+
+
+@dataclass(frozen=True)
+class WhisperRanker:
+    """openai-whisper's ``MaximumLikelihoodRanker`` and ``BeamSearchDecoder`` rules: a hypothesis' summed
+    log-probability / its token count (eos excluded) when ``length_penalty`` is None, else / ((5 + tokens) / 6) **
+    length_penalty; every eos candidate ranked above the K-th continuing one finishes (``eos_until_kept``), the
+    best first, until K hypotheses finished. The default ranking of converted Whispers."""
+
+    length_penalty: float | None = None
+    eos_until_kept = True
+
+    def score(self, logprob: float, tokens: int, steps: int) -> float:
+        if self.length_penalty is None:
+            return logprob / tokens if tokens else logprob  # whisper divides by 0 tokens too: -inf/nan; keep it finite
+        return logprob / (((5.0 + tokens) / 6.0) ** self.length_penalty)
+
+
+Ranker = GNMTRanker | WhisperRanker
+
+
 class BeamSearch:
     """K beams per input (rows b*K .. b*K+K-1). Each step every live input takes its 2K best (beam, token)
-    continuations: eos ones among the top K finish a hypothesis (scored by the GNMT ``length_penalty``), ones the
-    repetition guard stops finish with the first copy of the loop, the best K others continue and the cache
-    follows them (``reorder``). An input stops once K hypotheses finished or at its token limit (live beams then
-    finish as they are). The choice runs on the host (one sync per step); K = 1 is greedy."""
+    continuations: eos ones among the top K (``GNMTRanker``) or ranked above the K-th continuing one
+    (``WhisperRanker``) finish a hypothesis, scored by the ``ranker``; ones the repetition guard stops finish with
+    the first copy of the loop, the best K others continue and the cache follows them (``reorder``). An input
+    stops once K hypotheses finished or at its token limit (live beams then finish as they are). The choice runs
+    on the host (one sync per step); K = 1 is greedy. ``length_penalty`` (a float) is ``GNMTRanker(alpha)``."""
 
-    def __init__(self, inputs: int, beam_size: int, length_penalty: float, steps: int, eos_id: int, pad_id: int,
-                 guard: RepetitionGuard | None, reorder: Callable[[Tensor], None], device: torch.device) -> None:
+    def __init__(self, inputs: int, beam_size: int, length_penalty: float | Ranker, steps: int, eos_id: int,
+                 pad_id: int, guard: RepetitionGuard | None, reorder: Callable[[Tensor], None],
+                 device: torch.device) -> None:
         if beam_size < 1:
             raise ValueError(f"beam_size must be >= 1, got {beam_size}")
-        self.B, self.K, self.alpha = inputs, beam_size, length_penalty
+        self.ranker = length_penalty if isinstance(length_penalty, (GNMTRanker, WhisperRanker)) \
+            else GNMTRanker(float(length_penalty))
+        self.B, self.K = inputs, beam_size
         self.eos_id, self.pad_id, self.guard, self.reorder = eos_id, pad_id, guard, reorder
         self.out = torch.full((inputs * beam_size, steps), pad_id, dtype=torch.long, device=device)  # live beams
         self.tokens = torch.full((inputs * beam_size,), pad_id, dtype=torch.long, device=device)
@@ -370,12 +432,14 @@ class BeamSearch:
             if not self.live[b]:
                 continue
             chosen: list[int] = []  # candidates that continue, in beam order
+            until_kept = self.ranker.eos_until_kept
             for c, (s, i) in enumerate(zip(top_s[b], top_i[b])):
                 if s == NEG_INF:
                     break
                 k, v = divmod(i, V)
                 if v == self.eos_id:
-                    if c < K:
+                    # whisper: at most K finished, the best first (candidates come sorted)
+                    if (until_kept and len(self.hypotheses[b]) < K) or (not until_kept and c < K):
                         self._finish(b, s, t + 1, cand[b * C + c, :t])
                     continue
                 if keep[b][c] >= 0:  # a repetition loop: finish with the first copy only
@@ -389,6 +453,8 @@ class BeamSearch:
             if len(self.hypotheses[b]) >= K or t + 1 >= self.limit[b]:
                 if len(self.hypotheses[b]) < K:  # token limit: live beams finish as they are
                     for n, c in enumerate(chosen):
+                        if until_kept and len(self.hypotheses[b]) >= K:  # whisper's finalize: up to K
+                            break
                         self._finish(b, scores[b][n], t + 1, cand[b * C + c, :t + 1])
                 self.live[b] = False
         if self.all_done():
@@ -400,14 +466,19 @@ class BeamSearch:
         self.scores = torch.tensor(scores, device=logits.device)
         self.reorder(index)
 
-    def _finish(self, b: int, score: float, length: int, tokens: Tensor) -> None:
-        self.hypotheses[b].append((length_normalised(score, length, self.alpha), tokens.tolist()))
+    def _finish(self, b: int, score: float, steps: int, tokens: Tensor) -> None:
+        self.hypotheses[b].append((self.ranker.score(score, tokens.shape[0], steps), tokens.tolist(), score))
 
     def all_done(self) -> bool:
         return not any(self.live)
 
     def result(self) -> list[list[int]]:
-        return [max(h, key=lambda x: x[0])[1] if h else [] for h in self.hypotheses]
+        return [tokens for tokens, _ in self.scored()]
+
+    def scored(self) -> list[tuple[list[int], float]]:
+        """The best hypothesis of every input and its summed log-probability (first of equals, as whisper)."""
+        best = [max(h, key=lambda x: x[0]) if h else (0.0, [], NEG_INF) for h in self.hypotheses]
+        return [(tokens, logprob) for _, tokens, logprob in best]
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -496,11 +567,15 @@ def greedy_decode(model: Seq2SeqDecoder, memory: Tensor, mask: Tensor | None = N
 
 @torch.no_grad()
 def beam_search(model: Seq2SeqDecoder, memory: Tensor, mask: Tensor | None = None, *,
-                beam_size: int = 4, length_penalty: float = 1.0, max_new_tokens: int = 224,
+                beam_size: int = 4, length_penalty: float | Ranker | None = None, max_new_tokens: int = 224,
                 tokens_per_second: float | None = 25.0, max_period: int = 8,
                 max_repeats: int | None = 4) -> list[list[int]]:
     """Batched beam search (``BeamSearch``) with the KV cache: the beams of an input share its cross K/V, the
-    self-attention cache is reordered by beam each step. Options as ``greedy_decode``; beam_size=1 is greedy."""
+    self-attention cache is reordered by beam each step. Options as ``greedy_decode``; beam_size=1 is greedy.
+    ``length_penalty``: a ranker (``GNMTRanker``, ``WhisperRanker``), a float (GNMT's alpha), or None: the model's
+    own (``model.ranker``: a converted Whisper's ``WhisperRanker``), else ``GNMTRanker(1.0)``."""
+    if length_penalty is None:
+        length_penalty = getattr(model, "ranker", None) or GNMTRanker(1.0)
     options = DecodingOptions(max_new_tokens, tokens_per_second, max_period, max_repeats)
     B, K, dev = memory.shape[0], beam_size, memory.device
     limit = options.limits(model, mask, B, dev)
@@ -513,6 +588,35 @@ def beam_search(model: Seq2SeqDecoder, memory: Tensor, mask: Tensor | None = Non
     decoding = Decoding(inference, strategy, options.filters(model), dev)
     decoding.start(memory, mask, limit)
     return decoding.run(steps)
+
+
+@torch.no_grad()
+def decode_scored(model: Seq2SeqDecoder, memory: Tensor, mask: Tensor | None = None, *, max_new_tokens: int = 224,
+                  temperature: float = 0.0, beam_size: int = 1, ranker: Ranker | None = None
+                  ) -> list[tuple[list[int], float]]:
+    """openai-whisper's ``DecodingTask`` strategies without its guards: greedy or sampling at ``temperature``
+    (``ScoredGreedy``), or beam search (``beam_size`` > 1 at temperature 0, ``ranker`` default the model's) ->
+    every row's tokens (prompt and eos excluded) and summed log-probability (eos included)."""
+    options = DecodingOptions(max_new_tokens, None, max_repeats=None)
+    B, dev = memory.shape[0], memory.device
+    limit = options.limits(model, mask, B, dev)
+    steps = int(limit.max())
+    if beam_size > 1 and temperature == 0:
+        memory = memory.repeat_interleave(beam_size, 0)
+        mask = None if mask is None else mask.repeat_interleave(beam_size, 0)
+        inference = CachedInference(model, memory, mask, steps)
+        beams = BeamSearch(B, beam_size, ranker or getattr(model, "ranker", None) or GNMTRanker(1.0), steps,
+                           model.eos_id, model.pad_id, None, inference.reorder, dev)
+        decoding = Decoding(inference, beams, options.filters(model), dev)
+        decoding.start(memory, mask, limit)
+        decoding.run(steps)
+        return beams.scored()
+    inference = CachedInference(model, memory, mask, steps)
+    greedy = ScoredGreedy(B, steps, model.eos_id, model.pad_id, dev, temperature)
+    decoding = Decoding(inference, greedy, options.filters(model), dev)
+    decoding.start(memory, mask, limit)
+    ids = decoding.run(steps)
+    return list(zip(ids, greedy.logprob.tolist()))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -592,6 +696,7 @@ class GraphedGreedyDecoder:
         return self._decoding.run(int(limit.max()), self.check_every, replay)
 
 
-__all__ = ["BeamSearch", "CachedInference", "Decoding", "DecodingOptions", "FullInference", "GraphedGreedyDecoder",
+__all__ = ["BeamSearch", "CachedInference", "Decoding", "DecodingOptions", "FullInference", "GNMTRanker",
+           "GraphedGreedyDecoder", "Ranker", "ScoredGreedy", "WhisperRanker", "decode_scored",
            "Greedy", "MinNewTokens", "RepetitionGuard", "SuppressAtStart", "SuppressTokens", "TimestampRules",
            "beam_search", "greedy_decode", "length_normalised"]

@@ -47,8 +47,8 @@ import torch.nn.functional as F
 from rapidfuzz.distance import Levenshtein
 from torch import Tensor, nn
 
-from omni.decoding import (GraphedGreedyDecoder, SuppressAtStart, SuppressTokens, TimestampRules, beam_search,
-                           greedy_decode)
+from omni.decoding import (GNMTRanker, GraphedGreedyDecoder, Ranker, SuppressAtStart, SuppressTokens, TimestampRules,
+                           WhisperRanker, beam_search, greedy_decode)
 from omni.heads import LMHead
 from omni.interfaces import Seq2SeqDecoder
 from omni.tokenizers.audio import AudioTokenizer, load_audio
@@ -122,6 +122,9 @@ class SpeechRecognizer(nn.Module):
         if self.prompt_names is not None and {NO_TIMESTAMPS, FIRST_TIMESTAMP} <= set(text.special_tokens):
             self.timestamp_begin = text.token_id(FIRST_TIMESTAMP)
             self.no_timestamps_id = text.token_id(NO_TIMESTAMPS)
+        # Beam ranking (omni.decoding): a converted Whisper ranks as whisper.decode does (score / length), omni's
+        # own models by GNMT's length penalty
+        self.ranker: Ranker = WhisperRanker() if self.timestamp_begin is not None else GNMTRanker(1.0)
 
     @property
     def prompt(self) -> list[int]:
@@ -191,7 +194,7 @@ class TimestampMode:
                              "prompt with <|notimestamps|>): only converted Whispers decode with timestamps")
         self.model = model
         self.eos_id, self.pad_id, self.tokens_per_second = model.eos_id, model.pad_id, model.tokens_per_second
-        self.decoding, self.timestamp_begin = model.decoding, model.timestamp_begin
+        self.decoding, self.timestamp_begin, self.ranker = model.decoding, model.timestamp_begin, model.ranker
         self._prompt = [i for i in model.prompt if i != model.no_timestamps_id]
         self.rules = TimestampRules(model.timestamp_begin, model.eos_id, model.no_timestamps_id,
                                     round(MAX_INITIAL_TIMESTAMP * TIMESTAMPS_PER_SECOND))
@@ -444,10 +447,11 @@ speech_loss = SpeechLoss()  # decoder cross-entropy only (the loss of every mode
 
 @torch.no_grad()
 def decode_batch(model: Seq2SeqDecoder, audio: Tensor, audio_mask: Tensor, *, beam_size: int = 1,
-                 length_penalty: float = 1.0, **guards: Any) -> list[list[int]]:
+                 length_penalty: float | Ranker | None = None, **guards: Any) -> list[list[int]]:
     """Padded audio tokens (B, S, F) + mask -> the generated ids of each row (greedy for beam_size 1, else beam
-    search). The model's own decoding guards (``SpeechRecognizer.decoding``: a converted Whisper's) are the
-    defaults of ``guards``. ``model`` may be a ``TimestampMode`` (ids then hold timestamp tokens)."""
+    search, ranked by ``length_penalty``: None = the model's ranker, ``SpeechRecognizer.ranker``). The model's own
+    decoding guards (``SpeechRecognizer.decoding``: a converted Whisper's) are the defaults of ``guards``.
+    ``model`` may be a ``TimestampMode`` (ids then hold timestamp tokens)."""
     rules = getattr(model, "decoding", None)
     guards = {**dict(rules.guards), **guards} if isinstance(rules, DecodingRules) else guards
     memory = model.encode(audio, audio_mask)
@@ -458,7 +462,7 @@ def decode_batch(model: Seq2SeqDecoder, audio: Tensor, audio_mask: Tensor, *, be
 
 @torch.no_grad()
 def transcribe_batch(model: Seq2SeqDecoder, text_tok: TextTokenizer, audio: Tensor,
-                     audio_mask: Tensor, *, beam_size: int = 1, length_penalty: float = 1.0,
+                     audio_mask: Tensor, *, beam_size: int = 1, length_penalty: float | Ranker | None = None,
                      **guards: Any) -> list[str]:
     """Padded audio tokens (B, S, F) + mask -> transcripts (``decode_batch``, decoded to text)."""
     ids = decode_batch(model, audio, audio_mask, beam_size=beam_size, length_penalty=length_penalty, **guards)
@@ -527,7 +531,7 @@ def read_audio_file(path: str | os.PathLike, sample_rate: int = 16000) -> Tensor
 @torch.no_grad()
 def transcribe_waveforms(model: Seq2SeqDecoder, audio_tok: AudioTokenizer, text_tok: TextTokenizer,
                          waves: Sequence[Tensor], *, keys: Sequence[str] | None = None, batch_size: int = 16,
-                         beam_size: int = 1, length_penalty: float = 1.0, window_seconds: float | None = None,
+                         beam_size: int = 1, length_penalty: float | Ranker | None = None, window_seconds: float | None = None,
                          **guards: Any) -> list[str]:
     """Mono waveforms at ``audio_tok.sample_rate`` (any length) -> transcripts. Long clips are split by
     ``split_windows`` (window = the tokenizer's max_seconds, 30 s); all windows of all clips are sorted by
@@ -551,7 +555,7 @@ def transcribe_waveforms(model: Seq2SeqDecoder, audio_tok: AudioTokenizer, text_
 @torch.no_grad()
 def decode_windows(model: Seq2SeqDecoder, audio_tok: AudioTokenizer, windows: Sequence[Tensor], *,
                    keys: Sequence[str] | None = None, batch_size: int = 16, beam_size: int = 1,
-                   length_penalty: float = 1.0, **guards: Any) -> list[list[int]]:
+                   length_penalty: float | Ranker | None = None, **guards: Any) -> list[list[int]]:
     """Waveforms of at most the tokenizer's max_seconds -> the generated ids of each (``decode_batch``), decoded
     in batches of ``batch_size`` sorted by length."""
     keys = list(keys) if keys is not None else [str(i) for i in range(len(windows))]
@@ -573,7 +577,7 @@ def decode_windows(model: Seq2SeqDecoder, audio_tok: AudioTokenizer, windows: Se
 @torch.no_grad()
 def transcribe_timestamp_tokens(model: SpeechRecognizer, audio_tok: AudioTokenizer, text_tok: TextTokenizer,
                                 waves: Sequence[Tensor], *, keys: Sequence[str] | None = None, batch_size: int = 16,
-                                beam_size: int = 1, length_penalty: float = 1.0, window_seconds: float | None = None,
+                                beam_size: int = 1, length_penalty: float | Ranker | None = None, window_seconds: float | None = None,
                                 words: bool = True, keep_alignment: bool = False, **guards: Any) -> list[Any]:
     """Whisper's segments: every file cut by ``split_windows`` (as ``transcribe_waveforms``), each window decoded
     in timestamp mode (``SpeechRecognizer.timestamp_mode``), its tokens turned into segments with absolute times
@@ -669,7 +673,7 @@ def _recognizer(checkpoint: str | os.PathLike, device: str | torch.device | None
 
 
 def transcribe_files(checkpoint: str | os.PathLike, files: Sequence[str | os.PathLike], *, beam_size: int = 1,
-                     length_penalty: float = 1.0, batch_size: int = 16, device: str | None = None,
+                     length_penalty: float | None = None, batch_size: int = 16, device: str | None = None,
                      max_new_tokens: int = 224, return_exceptions: bool = False, timestamps: bool = False,
                      timing: dict[str, Any] | None = None) -> list[Any]:
     """Transcribe audio files (WAV, FLAC, MP3, OGG ...; any rate, channels, length) with a speech recognition
@@ -683,7 +687,7 @@ def transcribe_files(checkpoint: str | os.PathLike, files: Sequence[str | os.Pat
     for option, value in (("beam_size", beam_size), ("batch_size", batch_size), ("max_new_tokens", max_new_tokens)):
         if value < 1:
             raise ValueError(f"{option} must be >= 1, got {value}")
-    if not math.isfinite(length_penalty):
+    if length_penalty is not None and not math.isfinite(length_penalty):
         raise ValueError(f"length_penalty must be a finite number, got {length_penalty}")
     model, audio_tok, text_tok = _recognizer(checkpoint, device)
     tokens = timestamps and (timing or {}).get("method") == "tokens"

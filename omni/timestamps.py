@@ -663,7 +663,7 @@ def time_windows(model: Any, audio_tok: Any, text_tok: Any, windows: Sequence[Te
 
 def transcribe_timed(model: Any, audio_tok: Any, text_tok: Any, waves: Sequence[Tensor], *,
                      keys: Sequence[str] | None = None, batch_size: int = 16, beam_size: int = 1,
-                     length_penalty: float = 1.0, window_seconds: float | None = None, method: Method = "auto",
+                     length_penalty: Any = None, window_seconds: float | None = None, method: Method = "auto",
                      refine: bool = True, keep_alignment: bool = False, max_chars: int = 84, max_gap: float = 1.0,
                      alignment_heads: Sequence[Sequence[int]] | None = None, **guards: Any) -> list[TimedTranscript]:
     """``omni.speech.transcribe_waveforms`` with word timestamps: every file is cut by ``split_windows`` (the

@@ -1,0 +1,90 @@
+"""Parity of a converted Whisper with openai-whisper beyond one window's greedy tokens (issue #29): beam search
+ranked as whisper.decode ranks (omni.decoding.WhisperRanker, a converted Whisper's default ranker) and the long-form
+loop (omni.pipelines.transcribe) as whisper.transcribe. Random O(1) weights (tests/_interop.py), Whisper's real
+vocabulary; eot's embedding is set near the most chosen token's so that hypotheses finish within a few tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from _interop import o1_weights
+
+from omni.decoding import GNMTRanker, WhisperRanker
+from omni.interop.whisper import from_openai
+from omni.speech import SpeechRecognizer, build_speech_recognizer, decode_batch
+from omni.tokenizers.audio import AudioTokenizer
+
+whisper = pytest.importorskip("whisper")
+from whisper.audio import N_FRAMES, N_SAMPLES, log_mel_spectrogram  # noqa: E402
+from whisper.model import ModelDimensions, Whisper  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
+
+SMALL = dict(n_mels=80, n_audio_ctx=1500, n_audio_state=64, n_audio_head=4, n_audio_layer=2, n_vocab=51865,
+             n_text_ctx=448, n_text_state=64, n_text_head=4, n_text_layer=2)
+EOT = 50257
+SAMPLE_LEN = 20  # whisper.decode's sample_len (tokens per window) and omni's max_new_tokens: a fast test
+
+
+def openai_model(seed: int = 1) -> Whisper:
+    return o1_weights(Whisper(ModelDimensions(**SMALL)), seed,
+                      embedding_std=lambda table: table.shape[1] ** -0.5 if table.shape[0] > 50000 else 1,
+                      named={"positional_embedding": 1.0})
+
+
+def omni_model(peer: Whisper) -> SpeechRecognizer:
+    config, sd, toks = from_openai(peer.state_dict(), SMALL)
+    model = build_speech_recognizer(config, toks)
+    model.load_state_dict(sd, strict=True)
+    return model.eval()
+
+
+def wave(seconds: float, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    n = int(seconds * 16000)
+    t = torch.arange(n) / 16000
+    return 0.1 * torch.randn(n, generator=gen) * (1.2 + torch.sin(2 * torch.pi * 1.3 * t))
+
+
+def whisper_mel(audio: torch.Tensor) -> torch.Tensor:
+    return log_mel_spectrogram(audio, 80, padding=N_SAMPLES)[:, :N_FRAMES]
+
+
+@pytest.fixture(scope="module")
+def ending():
+    """A peer whose eot embedding is 0.97 x that of the token it chooses most (hypotheses end after a few tokens,
+    no exact ties), its conversion and three clips."""
+    peer = openai_model()
+    clips = [wave(6.0, 5), wave(21.0, 6), wave(12.0, 3)]
+    mel = torch.stack([whisper_mel(c) for c in clips])
+    options = whisper.DecodingOptions(temperature=0, without_timestamps=True, language="en", fp16=False,
+                                      sample_len=SAMPLE_LEN)
+    with torch.no_grad():
+        tokens = [t for r in whisper.decode(peer, mel, options) for t in r.tokens]
+        table = peer.decoder.token_embedding.weight
+        table[EOT] = 0.97 * table[max(set(tokens), key=tokens.count)]
+    return peer, omni_model(peer), clips, mel
+
+
+@pytest.mark.parametrize("timestamps", [False, True], ids=["text", "timestamps"])
+def test_beam_search_ranks_as_whisper_decode(ending, timestamps, capsys):
+    peer, model, clips, mel = ending
+    assert isinstance(model.ranker, WhisperRanker)  # a converted Whisper's default
+    tok = AudioTokenizer(frontend="whisper")
+    audio = torch.stack([tok.encode(c).tokens for c in clips])
+    mask = torch.ones(audio.shape[:2], dtype=torch.bool)
+    decoder = model.timestamp_mode() if timestamps else model
+    options = whisper.DecodingOptions(temperature=0, beam_size=3, without_timestamps=not timestamps, language="en",
+                                      fp16=False, sample_len=SAMPLE_LEN)
+    with torch.no_grad():
+        expected = [whisper.decode(peer, m, options).tokens for m in mel]  # one at a time: whisper's batched
+        got = decode_batch(decoder, audio, mask, beam_size=3, max_new_tokens=SAMPLE_LEN)  # beams break on cross KV
+        gnmt = decode_batch(decoder, audio, mask, beam_size=3, max_new_tokens=SAMPLE_LEN,
+                            length_penalty=GNMTRanker(1.0))
+    with capsys.disabled():
+        print(f"\nbeam 3 ({'timestamps' if timestamps else 'text'}): whisper lengths {[len(e) for e in expected]}, "
+              f"GNMT's {[len(g) for g in gnmt]}")
+    assert any(len(e) < SAMPLE_LEN for e in expected)  # hypotheses finished: the ranking decided
+    assert got == expected
+    assert gnmt != expected  # GNMT's penalty prefers other (shorter) hypotheses here: the ranker was exercised
