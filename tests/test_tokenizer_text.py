@@ -316,3 +316,79 @@ def test_austen_reader_on_synthetic_r_database(tmp_path: Path) -> None:
     assert fitted.vocab_size <= 290 and fitted.bos_id == 1
     assert fitted.decode(fitted.encode("Emma Woodhouse £").tokens) == "Emma Woodhouse £"
     assert len(fitted.encode(" plain").tokens) == 3  # a merged word from the text file
+
+
+# -- issue 29: non-integer ids, truncation that reads only what it keeps ------------------------------
+def test_decode_refuses_ids_that_are_not_integers(tok: TextTokenizer) -> None:
+    import numpy as np
+
+    for ids, shown in [([3.7], "3.7 (float) at index 0"), ([5, 3.0], "3.0 (float) at index 1"),
+                       (["7"], "'7' (str) at index 0"), ([True], "True at index 0"),
+                       (torch.tensor([1.5, 2.0]), "1.5 (float) at index 0")]:
+        with pytest.raises(TypeError) as err:
+            tok.decode(ids)
+        assert str(err.value) == f"decode expects integer token ids, got {shown}"
+    ids = tok.encode("integers of any kind").tokens
+    text = tok.decode(ids)
+    assert tok.decode(ids.tolist()) == tok.decode(list(np.asarray(ids))) == tok.decode(list(ids)) == text
+
+
+class _Recorder:
+    """The HF tokenizer, recording the length of every text it encodes."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.lengths = inner, []
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def encode(self, text, **kw):
+        self.lengths.append(len(text))
+        return self.inner.encode(text, **kw)
+
+    def encode_batch(self, texts, **kw):
+        self.lengths.extend(len(t) for t in texts)
+        return self.inner.encode_batch(texts, **kw)
+
+
+def test_truncation_equals_full_encoding_then_cut() -> None:
+    """Prefix encoding keeps exactly what encoding the whole text and cutting gives: random texts built from the
+    pieces where a cut can change pre-tokens (contractions, whitespace runs, digits, combining marks, emoji)."""
+    full = TextTokenizer(max_length=10**9)
+    rng = random.Random(29)
+    pieces = ["a", "bc", " ", " " * 50, "\n\n", "'", "'re", "'ll", "1234567", "é", "e\u0301", "😀", "中文", "\t", ".",
+              "!!", "x" * 40, "<|eos|>", "\r\n"]
+    for max_length in (2, 3, 5, 17, 64):
+        short = TextTokenizer(max_length=max_length, truncation="truncate")
+        short._tok = _Recorder(short.hf)
+        texts = ["".join(rng.choice(pieces) for _ in range(rng.randint(0, 400))) for _ in range(80)]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for text in texts:
+                for task in (None, "transcribe"):
+                    assert short.encode(text, task=task).tokens.tolist() == \
+                        full.encode(text, task=task).tokens[:max_length].tolist(), (max_length, text)
+            batch = short.encode_batch(texts)
+        assert [s.tokens.tolist() for s in batch] == [full.encode(t).tokens[:max_length].tolist() for t in texts]
+        assert sum(n < max(map(len, texts)) // 2 for n in short.hf.lengths) > 100  # prefixes were encoded
+
+
+def test_truncating_a_10_mb_text_encodes_a_few_kb() -> None:
+    paragraph = "It is a truth universally acknowledged, that a single man in possession of a good fortune, must " \
+                "be in want of a wife.\n\n"
+    text = (paragraph * (10_000_000 // len(paragraph) + 1))[:10_000_000]
+    tok = TextTokenizer(max_length=1024, truncation="truncate")
+    tok._tok = _Recorder(tok.hf)
+    with pytest.warns(UserWarning, match=r"'big': more than 1024 tokens \(10,000,000 characters\) truncated"):
+        seg = tok.encode(text, key="big")
+    assert len(seg) == 1024 and max(tok.hf.lengths) <= 16 * 1024  # read: 8,320 characters of 10,000,000
+    reference = TextTokenizer(max_length=10**9).encode(text[:100_000]).tokens[:1024]
+    assert seg.tokens.tolist() == reference.tolist()
+    error = TextTokenizer(max_length=1024)
+    error._tok = _Recorder(error.hf)
+    with pytest.raises(ValueError, match=r"'big' has more than 1024 tokens \(10,000,000 characters\), more than "
+                                         r"max_length=1024"):
+        error.encode(text, key="big")
+    assert max(error.hf.lengths) <= 16 * 1024
+    with pytest.raises(ValueError, match=r"'bad'.*surrogate at index 9999999"):  # past what is kept, as before
+        tok.encode(text[:-1] + "\ud800", key="bad")

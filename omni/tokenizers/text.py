@@ -19,7 +19,9 @@ package ``r-cran-janeaustenr`` by ``austen_novels`` without needing R.
 
 from __future__ import annotations
 
+import operator
 import os
+import re
 import warnings
 from pathlib import Path
 from typing import Any, Iterable, Sequence
@@ -48,6 +50,12 @@ DEFAULT_ASSET = "bpe-8k"
 TOKENIZER_FILE = "tokenizer.json"
 IGNORE_INDEX = -100  # targets value that the LM loss ignores (torch cross_entropy default)
 TRUNCATION_POLICIES = ("error", "truncate")
+# A long text is encoded by prefixes (TextTokenizer._prefix_ids): a pre-token (the unit BPE merges within)
+# ending at least this many characters before a prefix's end is split as in the whole text, since the
+# pre-tokenizer's regex looks at most a few characters past a match (contractions: 3).
+PREFIX_MARGIN = 64
+SURROGATE = re.compile("[\ud800-\udfff]")  # what HF refuses to encode (not valid Unicode)
+PREFIX_CHARS_PER_TOKEN = 8  # the first prefix tried: this many characters per token needed (English: ~4.5)
 # Where ``apt-get install r-cran-janeaustenr`` puts the package (``dpkg-deb -x`` of the .deb
 # into a folder puts it under that folder's usr/lib/R/site-library/janeaustenr); $OMNI_AUSTEN_DIR
 # points elsewhere.
@@ -261,11 +269,11 @@ class TextTokenizer(Tokenizer):
         """
         self._check_text(raw, key)
         try:
-            ids = self.hf.encode(raw, add_special_tokens=False).ids
+            ids, whole = self._prefix_ids(raw, self._needed(task))
         except TypeError:  # HF rejects strings that are not valid Unicode (lone surrogates)
             self._check_unicode(raw, key)
             raise
-        return self._segment(ids, key, task)
+        return self._segment(ids, key, task, None if whole else len(raw))
 
     def encode_batch(
         self, texts: Sequence[str], *, keys: Sequence[str] | None = None, task: str | None = None
@@ -277,13 +285,52 @@ class TextTokenizer(Tokenizer):
         names = [str(k) for k in keys] if keys is not None else [str(i) for i in range(len(texts))]
         for text, name in zip(texts, names):
             self._check_text(text, name)
+        need = self._needed(task)
+        short = [i for i, text in enumerate(texts) if len(text) <= self._first_prefix(need)]
         try:
-            encodings = self.hf.encode_batch(list(texts), add_special_tokens=False)
+            batch = dict(zip(short, self.hf.encode_batch([texts[i] for i in short], add_special_tokens=False)))
+            # long texts one by one, only what can be kept (_prefix_ids)
+            found = [(batch[i].ids, True) if i in batch else self._prefix_ids(text, need)
+                     for i, text in enumerate(texts)]
         except TypeError:
             for text, name in zip(texts, names):
                 self._check_unicode(text, name)
             raise
-        return [self._segment(e.ids, name, task) for e, name in zip(encodings, names)]
+        return [self._segment(ids, name, task, None if whole else len(text))
+                for (ids, whole), name, text in zip(found, names, texts)]
+
+    def _needed(self, task: str | None) -> int:
+        """How many text ids ``_segment`` can use: one more than fit after bos (+ task) shows the text is
+        too long; what comes after is never read."""
+        head = int(self.add_bos) + (task is not None)
+        return max(1, self.max_length - head + 1)
+
+    @staticmethod
+    def _first_prefix(need: int) -> int:
+        return PREFIX_CHARS_PER_TOKEN * need + 2 * PREFIX_MARGIN
+
+    def _prefix_ids(self, raw: str, need: int) -> tuple[list[int], bool]:
+        """``(ids, True)``: all of ``raw``'s ids; or ``(ids, False)``: at least ``need`` ids, each equal to the
+        id at its place in the whole text's encoding, read from a prefix of ``raw`` (grown by doubling) so
+        that truncating a 10 MB text to 1,024 tokens encodes a few kB. The ids kept are those of pre-tokens
+        (BPE merges never cross them) that end before a later pre-token starting PREFIX_MARGIN characters or
+        more before the prefix's end: the pre-tokenizer splits that part of the prefix as the whole text."""
+        n = self._first_prefix(need)
+        if n < len(raw) and SURROGATE.search(raw):  # refused as the whole text is, even past what is kept
+            raise TypeError("not valid Unicode")
+        while n < len(raw):
+            enc = self.hf.encode(raw[:n], add_special_tokens=False)
+            stable, seen = 0, set()
+            for i, (word, (start, _)) in enumerate(zip(enc.word_ids, enc.offsets)):
+                if word not in seen:  # the first token of a pre-token: the ones before it are complete
+                    seen.add(word)
+                    if start > n - PREFIX_MARGIN:
+                        break
+                    stable = i
+            if stable >= need:
+                return enc.ids[:stable], False
+            n *= 2
+        return self.hf.encode(raw, add_special_tokens=False).ids, True
 
     @staticmethod
     def _check_text(raw: Any, key: str) -> None:
@@ -299,19 +346,22 @@ class TextTokenizer(Tokenizer):
                 f"text sample {key!r}: expected valid Unicode text, found a lone surrogate at index {exc.start}"
             ) from None
 
-    def _segment(self, ids: list[int], key: str, task: str | None) -> Segment:
+    def _segment(self, ids: list[int], key: str, task: str | None, chars: int | None = None) -> Segment:
+        """``chars``: None when ``ids`` are the whole text's, else the text's length in characters (``ids`` are
+        then only the first ones, more than fit)."""
         head = [self.bos_id] if self.add_bos else []
         if task is not None:
             head.append(self.token_id(task))
-        full = head + ids + ([self.eos_id] if self.add_eos else [])
+        full = head + ids + ([self.eos_id] if self.add_eos and chars is None else [])
         if len(full) > self.max_length:
+            size = f"{len(full)} tokens" if chars is None else f"more than {self.max_length} tokens ({chars:,} characters)"
             if self.truncation == "error":
                 raise ValueError(
-                    f"text sample {key!r} has {len(full)} tokens, more than max_length={self.max_length} "
+                    f"text sample {key!r} has {size}, more than max_length={self.max_length} "
                     "(use truncation='truncate' to cut it)"
                 )
             warnings.warn(
-                f"text sample {key!r}: {len(full)} tokens truncated to max_length={self.max_length}",
+                f"text sample {key!r}: {size} truncated to max_length={self.max_length}",
                 stacklevel=3,
             )
             full = full[: self.max_length]
@@ -338,7 +388,7 @@ class TextTokenizer(Tokenizer):
             if ids.dim() != 1:
                 raise ValueError(f"decode expects a 1-D id tensor, got shape {tuple(ids.shape)}")
             ids = ids.tolist()
-        ids = [int(i) for i in ids]
+        ids = [_token_id(i, k) for k, i in enumerate(ids)]
         n = self.vocab_size
         bad = [i for i in ids if not 0 <= i < n]
         if bad:
@@ -401,6 +451,18 @@ class TextEmbedder(nn.Module):
 
     def forward(self, tokens: Tensor) -> Tensor:
         return self.type_embedding(self.token(tokens))
+
+
+def _token_id(value: Any, index: int) -> int:
+    """An id as an int: an int, a numpy / 0-d torch integer; TypeError naming a float (3.7 is not id 3), a
+    bool or anything else."""
+    if isinstance(value, bool):
+        raise TypeError(f"decode expects integer token ids, got {value!r} at index {index}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"decode expects integer token ids, got {value!r} ({type(value).__name__}) at index "
+                        f"{index}") from None
 
 
 # -- the default corpus and asset -------------------------------------------------------------------
