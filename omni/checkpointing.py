@@ -8,18 +8,25 @@
   renamed into place by the main process: a crash at any moment leaves the previous checkpoint intact, and
   only directories with the marker are listed (``list_checkpoints``). Old checkpoints (beyond
   ``keep_checkpoints``) are renamed to ``.trash-*`` before deletion and only once the new one is complete,
-  so a half-deleted one never looks like a checkpoint. A full disk (ENOSPC) raises ``DiskFullError`` naming
-  the checkpoint; its partial directory is removed. ``clean_stale`` deletes the temp dirs killed runs left
+  so a half-deleted one never looks like a checkpoint. A failed write always removes its partial directory;
+  a full disk (ENOSPC, or torch.save's errno-less stream error while the disk is nearly full) raises
+  ``DiskFullError`` naming the checkpoint, the space a checkpoint takes and the space free; a read-only folder
+  raises ``NotWritableError`` naming it. ``clean_stale`` deletes the temp dirs killed runs left
   (checkpoint ``.tmp-*`` / ``.trash-*``, export ``.final.tmp-*`` / ``.final.old-*``); the Trainer calls it
   only while it holds the run lock, so no live run's temp dirs are touched.
 * Resume modes (``TrainConfig.resume``). "auto": the newest intact checkpoint when its recorded run config
   (``run_config``: TrainConfig + hparams + export config, flattened) matches this run's, else
   ``ResumeMismatchError`` listing ``key: old -> new``; "force": resume even so; "never": ``RunExistsError``
   if the directory holds checkpoints or an export. Keys in ``RESUME_IGNORED`` may differ.
-* Integrity. A checkpoint whose files differ from their checksums (or are missing, truncated, unreadable) is
+* Integrity. A checkpoint whose files differ from their checksums (or are missing, truncated, unreadable; or
+  whose checksums.json is gone while its COMPLETE marker says it was written; or whose RNG state Accelerate
+  could not restore, a failure its load_state swallows) is
   reported, renamed to ``corrupt-step-*`` and the previous one is used; if none is intact, ``IntegrityError``
   lists why rather than training over them from scratch. A checkpoint whose tensors do not fit the model
   (another architecture, even under "force") is refused naming the parameters and both shapes.
+* Datasets. Every config value naming an omni dataset (a folder with manifest.json) is recorded in each
+  checkpoint with a hash of its shards (``dataset_identities``); resuming on a dataset rebuilt or replaced
+  since (same path, same size, other shards) is a ``ResumeMismatchError`` naming both (printed under "force").
 * Resume needs the number of processes that wrote the checkpoint (per-rank data positions and RNG streams).
 * A finished run (checkpoint at ``steps`` with the same config, intact export) is not trained again: the
   metrics it recorded in ``train_results.json`` are returned. A damaged export is reported and rewritten.

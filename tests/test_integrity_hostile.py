@@ -13,13 +13,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 import _train_worker as W
 from omni import export as E
 from omni.export import (CHECKSUMS_NAME, DiskFullError, IntegrityError, NotWritableError, get_builder,
                          load_pretrained, save_pretrained, write_checksums)
-from omni.train import ResumeMismatchError, list_checkpoints
+from omni.train import ResumeMismatchError
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 MLP_CONFIG = {"builder": "_train_worker:build_mlp", "dropout": 0.0}
@@ -31,11 +30,6 @@ def _flip_last_byte(path: Path) -> None:
     data = bytearray(path.read_bytes())
     data[-1] ^= 0x01
     path.write_bytes(bytes(data))
-
-
-def _same(a: Path, b: Path) -> bool:
-    wa, wb = load_file(str(a)), load_file(str(b))
-    return wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -16,7 +16,8 @@ import pytest
 from omni import files as F
 from omni.files import DiskFullError, NotWritableError, write_atomic
 from omni.lock import DirectoryLock
-from test_cli import cli, noise, one_line, png, vit, wav, whisper  # noqa: F401  (fixtures)
+# vit / whisper: test_cli's module fixtures (tiny random-weight exports), used by name below
+from test_cli import cli, noise, one_line, png, vit, wav, whisper  # noqa: F401
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -98,7 +99,7 @@ def test_the_run_lock_on_a_full_or_read_only_out_is_one_line(tmp_path, monkeypat
 # The CLI's output folders
 
 
-def test_predict_attention_on_a_read_only_folder_is_one_line(vit, tmp_path, capsys):
+def test_predict_attention_on_a_read_only_folder_is_one_line(vit, tmp_path, capsys):  # noqa: F811
     pictures = tmp_path / "pics"
     pictures.mkdir()
     image = png(tmp_path / "a.png")
@@ -110,7 +111,7 @@ def test_predict_attention_on_a_read_only_folder_is_one_line(vit, tmp_path, caps
                             "file system"
 
 
-def test_predict_attention_on_a_disk_that_fills_up_blames_the_folder_not_the_export(vit, tmp_path, capsys,
+def test_predict_attention_on_a_disk_that_fills_up_blames_the_folder_not_the_export(vit, tmp_path, capsys,  # noqa: F811
                                                                                      monkeypatch):
     pytest.importorskip("matplotlib")
     pictures = tmp_path / "pics"
@@ -132,7 +133,7 @@ def test_transcribe_output_folders_on_a_full_disk_are_one_line(option, tmp_path,
                                              "disk is full (no space left on device)")
 
 
-def test_transcribe_output_dir_filling_up_names_the_folder_and_keeps_what_was_written(whisper, tmp_path, capsys,
+def test_transcribe_output_dir_filling_up_names_the_folder_and_keeps_what_was_written(whisper, tmp_path, capsys,  # noqa: F811
                                                                                       monkeypatch):
     folder = tmp_path / "out"
     a, b = wav(tmp_path / "a.wav", noise(0.5, 1)), wav(tmp_path / "b.wav", noise(0.5, 2))
