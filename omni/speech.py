@@ -27,7 +27,11 @@ Design decisions (documented here because recipes/whisper.py and `omni transcrib
   --timestamps tokens``). The export's own prompt and rules, and so the default decoding, are unchanged.
 * Long audio (longer than the tokenizer's ``max_seconds``, 30 s) is cut by ``split_windows`` at the
   quietest 20 ms frame of the last ``search_seconds`` of each window, so cuts fall in pauses, not in
-  words; the windows are decoded as independent batch rows and their texts joined with one space.
+  words; the windows are decoded as independent batch rows and their texts joined with one space. Each window is
+  normalised and padded alone, so for a converted Whisper this equals ``whisper.decode`` per window, NOT
+  ``whisper.transcribe`` (which normalises the whole file, pads the log-mel with 0.0, seeks by the last timestamp
+  token, falls back to higher temperatures and conditions on the previous text): that loop is
+  ``omni.pipelines.transcribe.transcribe_whisper``.
 * WER / CER (``error_rates``) compare texts normalised by ``normalize_text`` (rule in its docstring),
   as corpus totals: sum of edit distances / sum of reference lengths.
 """

@@ -88,3 +88,52 @@ def test_beam_search_ranks_as_whisper_decode(ending, timestamps, capsys):
     assert any(len(e) < SAMPLE_LEN for e in expected)  # hypotheses finished: the ranking decided
     assert got == expected
     assert gnmt != expected  # GNMT's penalty prefers other (shorter) hypotheses here: the ranker was exercised
+
+
+# ----------------------------------------------------------------------------------------------------
+# whisper.transcribe's long-form loop (omni.pipelines.transcribe.transcribe_whisper)
+
+LONG_LEN = 12  # tokens per window: whisper.transcribe(sample_len=...) and WhisperSeek(sample_len=...)
+
+
+@pytest.fixture(scope="module")
+def plain():
+    from omni.interop.whisper import text_tokenizer
+
+    peer = openai_model()
+    return peer, omni_model(peer), text_tokenizer(SMALL["n_vocab"])
+
+
+@pytest.mark.parametrize("seconds,temperature,condition,beam", [
+    (5.0, 0.0, True, 1),  # a short clip: the normalised log-mel padded with 0.0, timestamps past the end
+    (45.0, 0.0, True, 1),  # a quiet first half: the whole file's normalisation, seek by the last timestamp
+    (45.0, 0.0, False, 1),
+    (5.0, (0.0, 0.2, 0.4), True, 1),  # fallback: sampled at 0.2 / 0.4 under the same RNG state as whisper
+    (5.0, 0.0, True, 2),  # beam search ranked as whisper's
+], ids=["5s", "45s-quiet-half", "45s-no-condition", "5s-fallback", "5s-beam2"])
+def test_transcribe_equals_whisper_transcribe(plain, seconds, temperature, condition, beam, capsys):
+    from omni.pipelines.transcribe import WhisperSeek, transcribe_whisper
+
+    peer, model, text_tok = plain
+    clip = wave(seconds, 2)
+    if seconds > 40:
+        clip[:clip.shape[0] // 2] *= 0.01
+    kw = dict(beam_size=beam) if beam > 1 else {}
+    with torch.no_grad():
+        torch.manual_seed(0)
+        expected = whisper.transcribe(peer, clip, temperature=temperature, condition_on_previous_text=condition,
+                                      language="en", fp16=False, sample_len=LONG_LEN, verbose=None, **kw)
+        torch.manual_seed(0)
+        got = transcribe_whisper(model, AudioTokenizer(frontend="whisper"), text_tok, clip,
+                                 WhisperSeek(temperature=temperature, condition_on_previous_text=condition,
+                                             sample_len=LONG_LEN, beam_size=beam))
+    theirs = [(round(s["start"], 6), round(s["end"], 6), s["tokens"], s["temperature"]) for s in expected["segments"]]
+    ours = [(round(s["start"], 6), round(s["end"], 6), s["tokens"], s["temperature"]) for s in got.segments]
+    with capsys.disabled():
+        print(f"\n{seconds:g} s: {len(ours)} segments, starts {[s[0] for s in ours]}, "
+              f"temperatures {sorted({s[3] for s in ours})}")
+    assert ours == theirs
+    assert got.text == expected["text"]
+    assert len(theirs) >= 2  # more than one window or segment: the seek rules decided
+    if isinstance(temperature, tuple):
+        assert any(s[3] > 0 for s in theirs)  # the fallback sampled

@@ -56,6 +56,7 @@ __all__ = [
     "log_mel",
     "log_mel_floor",
     "unfold_tokens",
+    "whisper_file_log_mel",
     "whisper_log_mel",
 ]
 
@@ -178,6 +179,25 @@ def whisper_log_mel(
     x = torch.nn.functional.pad(waveform.float(), (0, chunk))
     mel = _mel_transform(sample_rate, n_fft, hop_length, n_mels, str(x.device))(x)[..., :-1]
     return _normalise(mel)[..., : chunk // hop_length]
+
+
+def whisper_file_log_mel(
+    waveform: Tensor,
+    *,
+    sample_rate: int = 16000,
+    n_fft: int = 400,
+    hop_length: int = 160,
+    n_mels: int = 80,
+    seconds: float = 30.0,
+) -> Tensor:
+    """whisper.transcribe's log-mel of a whole file: ``log_mel_spectrogram(audio, n_mels, padding=N_SAMPLES)``,
+    (..., n_mels, (samples + seconds * sample_rate) // hop_length), normalised over the WHOLE file (its loudest
+    frame sets the floor of every window); whisper.transcribe slices windows from it and pads them with 0.0."""
+    if not waveform.is_floating_point():
+        raise TypeError(f"whisper_file_log_mel expects a floating-point waveform, got {waveform.dtype}")
+    chunk = int(round(seconds * sample_rate))
+    x = torch.nn.functional.pad(waveform.float(), (0, chunk))
+    return _normalise(_mel_transform(sample_rate, n_fft, hop_length, n_mels, str(x.device))(x)[..., :-1])
 
 
 def frame_pairs(mel: Tensor) -> Tensor:
