@@ -502,8 +502,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "(decoded in Whisper's timestamp mode), word times inside them from cross-attention "
                         "(default: auto)")
     p.add_argument("--beam-size", type=_positive_int, default=1, help="beam width (1 = greedy)")
-    p.add_argument("--length-penalty", type=_finite_float, default=1.0,
-                   help="GNMT length penalty alpha for beam search (0 = none)")
+    p.add_argument("--length-penalty", type=_finite_float, default=None,
+                   help="GNMT length penalty alpha for beam search (0 = none); default: the model's ranking "
+                   "(a converted Whisper's: score / length, as whisper.decode; omni's models: GNMT 1.0)")
     p.add_argument("--batch-size", type=_positive_int, default=16, help="30 s windows decoded together")
     p.add_argument("--max-new-tokens", type=_positive_int, default=224, help="most tokens per 30 s window")
     p.add_argument("files", nargs="+", help="audio files (WAV, FLAC, MP3, OGG ...): any sample rate, channels, length")
