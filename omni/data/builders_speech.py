@@ -38,23 +38,22 @@ def load_paragraphs(text: Sequence[str | os.PathLike] | None) -> tuple[list[str]
     ``text``: UTF-8 text files and/or folders holding the janeaustenr R package (read with
     ``omni.tokenizers.text.austen_novels``); None means that package (``austen_dir()``).
     """
-    from omni.tokenizers.text import austen_dir, austen_novels
+    from omni.data.builders_text import expand_inputs, iter_documents
+    from omni.tokenizers.text import austen_dir, austen_novels, find_austen_data
 
     if not text:
         text = [austen_dir("; or give your own (public-domain) text files: `omni data speech-synth --text FILE`, "
                            "in a recipe --set \"text=['FILE']\"")]
     paragraphs: list[str] = []
     names = []
-    for p in map(Path, text):
-        if p.is_dir():
+    for p in expand_inputs(text):  # the text builder's reader: folders of text files, UTF-8 only, no binary
+        if p.is_dir() and find_austen_data(p) is not None:
             novels = austen_novels(p)
             paragraphs.extend(para for _, paras in sorted(novels.items()) for para in paras)
             names.append(CORPUS_NAME)
-        elif p.is_file():
-            paragraphs.extend(paragraphs_of(p.read_text(encoding="utf-8", errors="replace")))
-            names.append(p.name)
         else:
-            raise FileNotFoundError(f"text corpus {p}: no such file or folder")
+            paragraphs.extend(para for _, doc in iter_documents([p]) for para in paragraphs_of(doc))
+            names.append(p.name)
     return paragraphs, " + ".join(names)
 
 

@@ -15,6 +15,22 @@ from omni.data.shards import MANIFEST_NAME, Build, fingerprint_files, read_manif
 TEXT_SUFFIXES = (".txt", ".text", ".md")
 
 
+def read_text_file(path: str | os.PathLike) -> str:
+    """The text of one corpus file, the one rule every text reader follows (``omni data text``, the BPE fit,
+    the recipes' ``text=`` corpus, synthesised speech): UTF-8 (a BOM is dropped) with no NUL byte; else
+    ValueError naming the file and where it stops being text (a binary file never trains as random bytes)."""
+    path = Path(path)
+    data = path.read_bytes()
+    nul = data.find(b"\0")
+    if nul >= 0:
+        raise ValueError(f"{path}: not a text file (a NUL byte at offset {nul}: binary data); give UTF-8 text files")
+    try:  # newlines as open() in text mode reads them: \r\n and \r are \n
+        return data.decode("utf-8-sig").replace("\r\n", "\n").replace("\r", "\n")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path}: not UTF-8 text (byte 0x{data[exc.start]:02x} at offset {exc.start}); give UTF-8 "
+                         "text files") from None
+
+
 def expand_inputs(paths: Sequence[str | os.PathLike]) -> list[Path]:
     """Files as given; folders -> their ``*.txt``/``*.text``/``*.md`` files (recursive, sorted).
     A folder holding the janeaustenr package or an omni dataset (manifest.json) stays a folder."""
@@ -60,10 +76,7 @@ def iter_documents(paths: Sequence[Path]) -> Iterator[tuple[str, str]]:
             for name, paragraphs in sorted(austen_novels(p).items()):
                 yield name, "\n\n".join(paragraphs)
         else:
-            try:
-                yield p.name, p.read_text(encoding="utf-8")
-            except UnicodeDecodeError as exc:
-                raise ValueError(f"{p}: not UTF-8 text ({exc})") from None
+            yield p.name, read_text_file(p)
 
 
 def _split_long(block: str, max_chars: int) -> list[str]:
@@ -139,6 +152,8 @@ def build_text(
 
     if not 0.0 <= val_fraction < 1.0:
         raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**31:  # numpy's seeds: 32 bits
+        raise ValueError(f"seed must be an integer in [0, 2147483647], got {seed!r}")
     if not src:
         src = [austen_dir("; or pass --src FILE|DIR ... with your own text")]
     paths = expand_inputs(src)
