@@ -49,7 +49,8 @@ traps it avoids (the project's research notes on Accelerate/webdataset pitfalls,
   of processes (per-rank data positions); ``compile`` may change (checkpoints hold plain names).
   Checkpoints assume a file system every rank sees (as Accelerate's ``save_state`` does).
 * Interruption. The first SIGINT (Ctrl-C) or SIGTERM lets the step finish, saves its checkpoint and raises
-  ``TrainingInterrupted`` (ranks agree every ``log_every`` steps); a second one stops at once.
+  ``TrainingInterrupted`` (ranks agree every ``log_every`` steps); a second one stops at once. A signal the
+  process started ignoring (SIGINT of a background job ``... &`` in a script, ``nohup``) stays ignored.
 * FSDP2. ``accelerate launch --config_file recipes/accelerate_fsdp2.yaml`` (or an ``fsdp_plugin`` with
   ``fsdp_version=2`` in ``accelerator_kwargs``) shards the model with ``fully_shard``; the loop is the same
   (``no_sync`` for accumulation, the gradient norm of the sharded gradients), checkpoints are sharded
@@ -111,8 +112,10 @@ class TrainingInterrupted(KeyboardInterrupt):
 
 class _StopOnSignal:
     """While entered, the first SIGINT or SIGTERM only records itself (``signum``), so the loop can finish its
-    step, checkpoint and stop; a second one acts as it would have (KeyboardInterrupt, termination). Handlers
-    can only be installed from the main thread: elsewhere this records nothing."""
+    step, checkpoint and stop; a second one acts as it would have (KeyboardInterrupt, termination). A signal the
+    process ignores stays ignored (SIGINT in a background job of a non-interactive shell, ``nohup``: a Ctrl-C
+    meant for the foreground must not stop it). Handlers can only be installed from the main thread: elsewhere
+    this records nothing."""
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -122,7 +125,8 @@ class _StopOnSignal:
 
     def __enter__(self) -> "_StopOnSignal":
         if threading.current_thread() is threading.main_thread():
-            self._previous = {s: signal.signal(s, self._record) for s in self.SIGNALS}
+            self._previous = {s: signal.signal(s, self._record) for s in self.SIGNALS
+                              if signal.getsignal(s) is not signal.SIG_IGN}
         return self
 
     def _record(self, signum: int, frame: Any) -> None:

@@ -31,6 +31,19 @@ class SignalAt:
         return W.mlp_loss(model, batch)
 
 
+@pytest.fixture(autouse=True)
+def default_handlers():
+    """Each test starts from Python's own handlers (SIGINT: KeyboardInterrupt, SIGTERM: terminate), whatever the
+    suite was started with: a background job of a non-interactive shell (``pytest ... &``) starts with SIGINT
+    ignored, and keeps ignoring it (test_an_ignored_sigint_stays_ignored). The suite's handlers are put back."""
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    yield
+    for s, handler in before.items():
+        signal.signal(s, handler)
+
+
 def _weights(run: Path) -> dict[str, torch.Tensor]:
     return load_file(str(run / "final" / "model.safetensors"))
 
@@ -59,6 +72,20 @@ def test_a_second_ctrl_c_stops_at_once(tmp_path: Path) -> None:
     assert not isinstance(err.value, TrainingInterrupted)
     assert latest_checkpoint(tmp_path / "r") is None  # stopped inside step 2, before any checkpoint
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_an_ignored_signal_stays_ignored(tmp_path: Path, signum: int) -> None:
+    """A process that ignores a signal (SIGINT in a background job ``... &`` of a script, ``nohup``) keeps
+    ignoring it while it trains: two of them change nothing, the run trains to its end and exports, and the
+    handler is still SIG_IGN after (a Ctrl-C meant for the foreground does not stop a background run)."""
+    signal.signal(signum, signal.SIG_IGN)  # the fixture puts Python's default back
+    try:
+        trainer, _ = W.run_mlp(tmp_path / "r", steps=8, n=40, checkpoint_every=0, loss_fn=SignalAt(signum, 3, again=4))
+    except KeyboardInterrupt as exc:  # (TrainingInterrupted too) not to pytest: it would end the whole session
+        pytest.fail(f"an ignored {signal.Signals(signum).name} stopped the run: {exc!r}")
+    assert trainer.step == 8 and (tmp_path / "r" / "final" / "model.safetensors").is_file()
+    assert signal.getsignal(signum) is signal.SIG_IGN
 
 
 def test_no_signal_after_the_last_step_is_needed(tmp_path: Path) -> None:
