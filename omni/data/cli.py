@@ -285,6 +285,10 @@ def add_data_commands(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_runner("data text", _text))
 
+    from omni.data.cli_formats import add_format_commands  # omni data hf, omni data audio: data users hold
+
+    add_format_commands(sub)
+
     p = sub.add_parser("verify", help="check a dataset's shards against its manifest (sizes and sha256)")
     p.add_argument("dir", help="dataset folder")
     p.add_argument("--sizes-only", action="store_true", help="skip the sha256 check")
