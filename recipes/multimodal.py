@@ -257,6 +257,10 @@ def parse_args(argv=None) -> dict:
     missing = [name_ for name_, spec in tasks.items() if "kind" not in spec]
     if missing:
         ap.error(f"tasks.{missing[0]} has no 'kind'")
+    for name_, spec in tasks.items():  # Fashion-MNIST's 28 x 28 images are cut into patch x patch squares
+        patch = spec.get("patch")
+        if spec.get("source") == "fashion-mnist" and isinstance(patch, int) and patch > 0 and 28 % patch:
+            ap.error(f"tasks.{name_}.patch {patch} must divide the 28-pixel Fashion-MNIST images: 1, 2, 4, 7, 14 or 28")
     cfg["tasks"] = tasks
     return cfg
 
@@ -268,7 +272,7 @@ def parse_args(argv=None) -> dict:
 
 
 def fashion_mnist(spec: dict, cfg: dict, text) -> dict[str, dict[str, Any]]:
-    from omni.data.builders_vision import locate_fashion_mnist, read_idx
+    from omni.data.builders_vision import FASHION_MNIST_CLASSES, locate_fashion_mnist, read_idx
     from omni.tokenizers.image import ImageTokenizer
 
     image = ImageTokenizer(patch_size=spec["patch"], channels=1, image_size=28, policy="resize")
@@ -278,7 +282,8 @@ def fashion_mnist(spec: dict, cfg: dict, text) -> dict[str, dict[str, Any]]:
         images = read_idx(next(folder.glob(f"{stem}-images-idx3-ubyte*")))[:limit]
         labels = read_idx(next(folder.glob(f"{stem}-labels-idx1-ubyte*")))[:limit]
         out[split] = {"tokenizer": image, "items": [torch.from_numpy(x.copy())[None] for x in images],
-                      "labels": labels.astype(np.int64).tolist(), "n_classes": 10}
+                      "labels": labels.astype(np.int64).tolist(), "n_classes": 10,
+                      "class_names": list(FASHION_MNIST_CLASSES)}  # the export records them: omni predict names them
     out["test"]["attention"] = 4  # the samples (TensorBoard) show 4 held-out images' attention rollout too
     return out
 
