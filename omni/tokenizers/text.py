@@ -314,7 +314,8 @@ class TextTokenizer(Tokenizer):
         id at its place in the whole text's encoding, read from a prefix of ``raw`` (grown by doubling) so
         that truncating a 10 MB text to 1,024 tokens encodes a few kB. The ids kept are those of pre-tokens
         (BPE merges never cross them) that end before a later pre-token starting PREFIX_MARGIN characters or
-        more before the prefix's end: the pre-tokenizer splits that part of the prefix as the whole text."""
+        more before the prefix's end: the pre-tokenizer splits that part of the prefix as the whole text. A
+        vocabulary without a pre-tokenizer (one "word") grows the prefix to the whole text: exact, not cheap."""
         n = self._first_prefix(need)
         if n < len(raw) and SURROGATE.search(raw):  # refused as the whole text is, even past what is kept
             raise TypeError("not valid Unicode")
