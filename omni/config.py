@@ -151,13 +151,20 @@ TRUNK_RANGES: dict[str, Check] = dict(
 )
 
 
+# TrunkConfig fields the model decides, never a config: the decoder of an encoder-decoder has cross-attention
+# (recipes/whisper.py passes it, so an override would be given twice), a decoder-only model cannot use it.
+NOT_OVERRIDES = ("cross_attention",)
+
+
 def trunk_keys() -> dict[str, Key]:
-    """One Key per TrunkConfig field, typed by its annotation (an int, ``int | None``, a float, a bool, a
-    Literal of strings) with its TRUNK_RANGES range: what ``trunk_overrides`` entries take. A field of
-    another type is a TypeError here, so a new field cannot go unchecked."""
+    """One Key per TrunkConfig field but NOT_OVERRIDES, typed by its annotation (an int, ``int | None``, a
+    float, a bool, a Literal of strings) with its TRUNK_RANGES range: what ``trunk_overrides`` entries take.
+    A field of another type is a TypeError here, so a new field cannot go unchecked."""
     hints = typing.get_type_hints(TrunkConfig)
     keys = {}
     for f in dataclasses.fields(TrunkConfig):
+        if f.name in NOT_OVERRIDES:
+            continue
         hint = hints[f.name]
         if typing.get_origin(hint) is typing.Literal:
             keys[f.name] = Key(type=str, check=one_of(*typing.get_args(hint)))
