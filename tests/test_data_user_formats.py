@@ -124,7 +124,8 @@ def test_features_class_names_single_dataset_holdout_and_rename(tmp_path: Path) 
     features = datasets.Features({"img": datasets.Image(), "labels": datasets.ClassLabel(names=["b", "a"])})
     ds = datasets.Dataset.from_dict({"img": [{"bytes": image_bytes(i, "BMP"), "path": None} for i in range(10)],
                                      "labels": [i % 2 for i in range(10)]}, features=features)
-    ds.save_to_disk(str(tmp_path / "one"))
+    ds.save_to_disk(str(tmp_path / "one"), num_shards=2)  # two arrow files, read as one split
+    assert len(list((tmp_path / "one").glob("*.arrow"))) == 2
     m = build_hf(tmp_path / "o1", src=tmp_path / "one", val_fraction=0.3, quiet=True)
     assert m["classes"] == ["b", "a"] and {k: v["count"] for k, v in m["splits"].items()} == {"train": 7, "val": 3}
     both = {**read_back(tmp_path / "o1", "train"), **read_back(tmp_path / "o1", "val")}
@@ -280,9 +281,9 @@ def test_audio_cli_wrong_column_and_nothing_left(tmp_path: Path, capsys: pytest.
     (tmp_path / "m.csv").write_text("wav,words\na.wav,hi\n")
     assert cli_main(["data", "audio", "--manifest", str(tmp_path / "m.csv"), "--out", str(tmp_path / "o"), "-q"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == [f"omni data audio: error: {tmp_path / 'm.csv'}: no audio file column (looked for file_name, "
-                   "audio_filepath, path, file, filename, audio, audio_path; name it with --audio-column); its "
-                   "columns: wav, words"]
+    assert err == [(f"omni data audio: error: {tmp_path / 'm.csv'}: no audio file column (looked for file_name, "
+                    "audio_filepath, path, file, filename, audio, audio_path; name it with --audio-column); its "
+                    "columns: wav, words")]
     with warnings.catch_warnings(record=True):
         warnings.simplefilter("always")
         assert cli_main(["data", "audio", "--manifest", str(tmp_path / "m.csv"), "--out", str(tmp_path / "o"), "-q",
@@ -307,8 +308,28 @@ def test_vit_recipe_trains_on_an_hf_dataset(tmp_path: Path) -> None:
     proc = subprocess.run(
         [sys.executable, str(ROOT / "recipes" / "vit.py"), "--preset", "tiny", "--data", str(tmp_path / "data"),
          "--out", str(tmp_path / "run"), "--set", "steps=2", "batch_size=8", "progress=False", "workers=0"],
-        capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)  # fmt: skip
+        check=False, capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     config = json.loads((tmp_path / "run" / "final" / "config.json").read_text())
     assert "dark" in json.dumps(config) and "light" in json.dumps(config)
+    assert (tmp_path / "run" / "final" / "model.safetensors").is_file()
+
+
+def test_whisper_recipe_trains_on_a_common_voice_layout(tmp_path: Path) -> None:
+    cv = tmp_path / "cv"
+    (cv / "clips").mkdir(parents=True)
+    for split, n in (("train", 8), ("test", 4)):
+        for i in range(n):
+            (cv / "clips" / f"{split}{i}.flac").write_bytes(audio_bytes(i, "FLAC"))
+        (cv / f"{split}.tsv").write_text("client_id\tpath\tsentence\n"
+                                         + "".join(f"c\t{split}{i}.flac\thello number {i}\n" for i in range(n)))
+    assert cli_main(["data", "audio", "--manifest", str(cv / "train.tsv"), str(cv / "test.tsv"), "--out",
+                     str(tmp_path / "data"), "-q"]) == 0  # fmt: skip
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "recipes" / "whisper.py"), "--preset", "tiny", "--data", str(tmp_path / "data"),
+         "--out", str(tmp_path / "run"), "--set", "steps=2", "batch_size=4", "progress=False"],
+        check=False, capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "2 steps (2 per epoch)" in proc.stdout and "test WER" in proc.stdout, proc.stdout
     assert (tmp_path / "run" / "final" / "model.safetensors").is_file()

@@ -579,7 +579,7 @@ def _classes(pa: Any, cols: _Columns, features: Mapping[str, Any], tables: Mappi
     if pa.types.is_integer(typ):
         top = max((v for v in values if v >= 0), default=-1)
         return [str(i) for i in range(top + 1)]
-    return sorted(set(v for v in values if v != ""))
+    return sorted({v for v in values if v != ""})
 
 
 class _Skip(Exception):
