@@ -99,6 +99,12 @@ def parse_args(argv=None) -> dict:
         ap.error(f"preset {cfg['preset']!r} needs --data DIR (shards from `omni data images`)")
     if cfg["steps"] is None and cfg["epochs"] is None:
         ap.error("set steps or epochs")
+    if cfg["init"] is None and cfg["image_size"] % cfg["patch"]:  # an init brings its own patch (checked in main)
+        ap.error(f"image_size {cfg['image_size']} must be a multiple of patch {cfg['patch']}: images are cut into "
+                 "patch x patch squares")
+    if cfg["resize"] is not None and cfg["resize"] < cfg["image_size"]:
+        ap.error(f"resize {cfg['resize']} must be >= image_size {cfg['image_size']}: the shorter side is resized to "
+                 "resize, then an image_size square is cropped from it")
     return cfg
 
 
@@ -196,6 +202,10 @@ def main(argv=None) -> dict:
         source = read_init(cfg["init"], BUILDER, "recipes/vit.py", "an image classifier (an omni export, a timm or "
                            "Hugging Face ViT checkpoint)", arch=cfg["init_arch"])
         cfg["channels"] = source[2]["image"].channels
+        patch = source[2]["image"].patch_size
+        if cfg["image_size"] % patch:
+            raise ValueError(f"image_size {cfg['image_size']} must be a multiple of the patch {patch} of init "
+                             f"{cfg['init']}: images are cut into patch x patch squares")
     train_data, eval_data, class_names = build_data(cfg, state.process_index, state.num_processes, state.device)
     n_classes = len(class_names)
     steps_per_epoch = len(train_data)

@@ -764,3 +764,13 @@ def test_a_run_killed_after_its_export_writes_its_results_on_a_rerun(cache, tmp_
         written = json.loads((out / "metrics.json").read_text())
         assert {k: written[k] for k in first_metrics if k != "seconds"} == \
             {k: v for k, v in first_metrics.items() if k != "seconds"}
+
+
+def test_an_image_patch_that_does_not_divide_28_is_one_line(cache, capsys):
+    recipe = load_recipe()
+    with pytest.raises(SystemExit) as stop:
+        recipe.parse_args(["--preset", "tiny", "--set", *data_sets(cache), "tasks.image.patch=5"])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and "tasks.image.patch 5 must divide the 28-pixel Fashion-MNIST images" in err
+    assert recipe.parse_args(["--preset", "tiny", "--set", *data_sets(cache), "tasks.image.patch=14"])[
+        "tasks"]["image"]["patch"] == 14

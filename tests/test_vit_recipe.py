@@ -250,3 +250,26 @@ def test_a_run_killed_before_its_results_reports_them_on_a_rerun(dataset, tmp_pa
     third = recipe.main(args)
     assert "already finished" in capsys.readouterr().out
     assert third["eval/accuracy"] == first["eval/accuracy"]
+
+
+@pytest.mark.parametrize("sets, said", [
+    (["image_size=1"], "image_size 1 must be a multiple of patch 7: images are cut into patch x patch squares"),
+    (["image_size=30"], "image_size 30 must be a multiple of patch 7"),
+    (["patch=5"], "image_size 28 must be a multiple of patch 5"),
+    (["image_size=32", "patch=4", "resize=16"], "resize 16 must be >= image_size 32"),
+])
+def test_image_size_patch_and_resize_that_disagree_are_one_line(sets, said, capsys):
+    """Before, image_size=1 (or any size patch does not divide) went on to build the data and failed later with
+    another cause; the keys are checked against each other first."""
+    with pytest.raises(SystemExit) as stop:
+        load_recipe().parse_args(["--preset", "tiny", "--set", *sets])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and said in err and "Traceback" not in err
+    assert [line for line in err.splitlines() if "error:" in line] == [err.splitlines()[-1]]
+
+
+def test_an_image_size_the_init_patch_does_not_divide_is_one_line(trained, dataset, tmp_path):
+    out, _ = trained  # its export cuts 28-pixel images into 7 x 7 patches
+    with pytest.raises(ValueError, match=r"image_size 30 must be a multiple of the patch 7 of init .*final"):
+        load_recipe().main(["--preset", "tiny", "--data", str(dataset[0]), "--out", str(tmp_path), "--set",
+                            f"init={str(out / 'final')!r}", "image_size=30", "patch=5"])
