@@ -63,11 +63,21 @@ class Check:
     entries: Mapping[str, "Key"] | None = field(default=None, compare=False)
 
 
-def sets_trunk(**fields: str) -> Check:
-    """The check of a recipe's ``trunk_overrides`` when the recipe derives these TrunkConfig fields itself
-    (``sets_trunk(max_positions="image_size // patch")``): an override of one would be passed twice."""
-    why = "; ".join(f"{n} comes from {how}" for n, how in fields.items())
-    return Check(lambda v: not set(v) & set(fields), f"without {', '.join(fields)}: {why}")
+@dataclass(frozen=True)
+class SetsTrunk(Check):
+    """A ``trunk_overrides`` check that knows the TrunkConfig fields the recipe derives from its other entries
+    (``derive``: field -> cfg -> value), so ``check_trunk`` sizes the trunk the recipe builds."""
+
+    derive: Mapping[str, Callable[[Mapping[str, Any]], Any]] = field(default_factory=dict, compare=False)
+
+
+def sets_trunk(**fields: tuple[str, Callable[[Mapping[str, Any]], Any]]) -> SetsTrunk:
+    """The check of a recipe's ``trunk_overrides`` when the recipe derives these TrunkConfig fields itself:
+    ``sets_trunk(max_positions=("image_size // patch", lambda c: c["image_size"] // c["patch"]))``. An
+    override of one would be passed twice; the derived value counts in the trunk's memory estimate."""
+    why = "; ".join(f"{n} comes from {how}" for n, (how, _) in fields.items())
+    return SetsTrunk(lambda v: not set(v) & set(fields), f"without {', '.join(fields)}: {why}",
+                     derive={n: fn for n, (_, fn) in fields.items()})
 
 
 def keywords_of(fn: Callable[..., Any], skip: int = 1) -> Check:
@@ -440,9 +450,14 @@ def check_trunk(cfg: Mapping[str, Any], keys: Mapping[str, Key] = RULES) -> Trun
             raise ValueError(f"trunk_overrides.{name}: this recipe sets the trunk's {name} from its own entry: "
                              f"--set {name}=...")
     given = {n: cfg[n] for n in ("positions", "dropout") if cfg.get(n) is not None and n in keys}
+    check = keys["trunk_overrides"].check if "trunk_overrides" in keys else None
+    try:
+        derived = {n: fn(cfg) for n, fn in check.derive.items()} if isinstance(check, SetsTrunk) else {}
+    except (KeyError, TypeError, ArithmeticError):  # an entry it reads is None: the recipe says what it needs
+        derived = {}
     made = f"trunk {cfg['trunk']!r}" + (f" with trunk_overrides {overrides}" if overrides else "")
     try:
-        trunk = TrunkConfig(**{**TRUNKS[cfg["trunk"]], **given, **overrides})
+        trunk = TrunkConfig(**{**TRUNKS[cfg["trunk"]], **given, **derived, **overrides})
         if trunk.positions == "sinusoidal" and trunk.d_model % 4:  # omni.trunk.SinusoidalPositions
             raise ValueError(f"sinusoidal positions need d_model divisible by 4, got {trunk.d_model}")
         if int(trunk.mlp_ratio * trunk.d_model) < 1:
@@ -452,6 +467,8 @@ def check_trunk(cfg: Mapping[str, Any], keys: Mapping[str, Key] = RULES) -> Trun
     n = trunk_parameters(trunk)
     need, have = TRAIN_BYTES_PER_PARAMETER * n, machine_memory()
     if have and need > have:
+        made += "".join(f" and {name} {value} (from {check.text.partition(name + ' comes from ')[2].split(';')[0]})"
+                        for name, value in derived.items())
         raise ValueError(f"{made}: about {n:.3g} parameters, which need about {_size(need)} to train "
                          f"({_size(4 * n)} of fp32 weights, as much again for gradients and twice for AdamW's "
                          f"moments): more than this machine's {_size(have)} of memory")

@@ -280,8 +280,14 @@ def test_a_trunk_too_big_for_the_machine_is_refused_with_its_estimate(capsys, mo
     monkeypatch.setattr(omni.config, "machine_memory", lambda: 8 * 10**9)
     line = rejected(vit, capsys, "--set", "trunk_overrides={'d_model': 100_000, 'n_layers': 100}")
     # 100 layers of 12 d^2 (+ biases and norms) = 1.2e13 parameters, x 16 bytes
-    assert line.endswith("trunk 'tiny' with trunk_overrides {'d_model': 100000, 'n_layers': 100}: about 1.2e+13 "
+    assert line.endswith("trunk 'tiny' with trunk_overrides {'d_model': 100000, 'n_layers': 100} and max_positions 4 "
+                         "(from image_size // patch): about 1.2e+13 "
                          "parameters, which need about 192 TB to train (48 TB of fp32 weights, as much again for "
                          "gradients and twice for AdamW's moments): more than this machine's 8 GB of memory"), line
+    # a field the recipe derives counts too: lm's learned position table is context x d_model
+    line = rejected(load("lm"), capsys, "--set", "context=1099511627776")
+    assert line.endswith("trunk 'tiny' and max_positions 1099511627776 (from context): about 7.04e+13 parameters, "
+                         "which need about 1.13 PB to train (281 TB of fp32 weights, as much again for gradients and "
+                         "twice for AdamW's moments): more than this machine's 8 GB of memory"), line
     cfg = parse(vit, "--set", "trunk_overrides={'d_model': 256, 'n_layers': 8, 'n_heads': 8}")
     assert cfg["trunk_overrides"] == {"d_model": 256, "n_layers": 8, "n_heads": 8}  # a real size passes
