@@ -2,18 +2,25 @@
 
   python benchmarks/vit_throughput.py [--batch 256] [--steps 15] [--only omni,timm,torchvision] [--profile]
       [--modes eager,compile,max-autotune-no-cudagraphs] [--inductor coordinate_descent_tuning=True]
-      [--omni "attention='flex',bias=False"] [--train-only]
+      [--omni "attention='flex',bias=False"] [--train-only] [--out vit.json]
+  python benchmarks/vit_throughput.py --dry-run --out vit.json   # toy models on the CPU (benchmarks/gpu_check.sh)
 
 Random data, 224px, 1000 classes, bf16 autocast, fused AdamW, step = forward + backward + optimizer;
 median step time after warm-up. MFU against a measured bf16 matmul peak (8192^3 GEMM).
+--out FILE.json is rewritten after every row (a run cut short keeps what it measured). --dry-run: the same code
+on the CPU with toy models (width 64, 2 layers, 32px images, batch 2, 1 step, eager), fp32: it measures nothing.
 """
 
 from __future__ import annotations
 
 import argparse
 import ast
+import json
+import os
 import statistics
 import time
+from contextlib import nullcontext
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +31,8 @@ from omni.tokenizers.image import ImageTokenizer, grid_positions, patchify
 from omni.trunk import Trunk, preset
 
 VIT_B16_GFLOP_FWD = 35.1  # per 224px image (research/anchors.md); training = 3x
+TOY = dict(d_model=64, n_layers=2, n_heads=2)  # --dry-run's trunk (timm/torchvision: the same width and depth)
+TOY_IMAGE = 32
 
 
 class OmniViT(nn.Module):
@@ -57,16 +66,21 @@ class OmniViT(nn.Module):
         return self.head(x)  # (B, n, d): each row one image
 
 
-def build(name: str, omni_options: dict | None = None) -> nn.Module:
+def build(name: str, omni_options: dict | None = None, toy: bool = False) -> nn.Module:
     if name == "omni":
-        return OmniViT(**(omni_options or {}))
+        return OmniViT(**({**TOY, "image": TOY_IMAGE} if toy else {}), **(omni_options or {}))
     if name == "timm":
         import timm
 
-        return timm.create_model("vit_base_patch16_224", num_classes=1000)
+        toy_args = dict(embed_dim=TOY["d_model"], depth=TOY["n_layers"], num_heads=TOY["n_heads"],
+                        img_size=TOY_IMAGE) if toy else {}
+        return timm.create_model("vit_base_patch16_224", num_classes=1000, **toy_args)
     if name == "torchvision":
         import torchvision
 
+        if toy:
+            return torchvision.models.VisionTransformer(TOY_IMAGE, 16, TOY["n_layers"], TOY["n_heads"], TOY["d_model"],
+                                                        4 * TOY["d_model"], num_classes=1000)
         return torchvision.models.vit_b_16(num_classes=1000)
     raise ValueError(name)
 
@@ -85,23 +99,27 @@ def matmul_peak() -> float:
 
 
 def bench(name: str, mode: str, batch: int, steps: int, profile: int = 0, train_only: bool = False,
-          omni_options: dict | None = None) -> tuple[float, float]:
+          omni_options: dict | None = None, device: str = "cuda", warmup: int = 3) -> tuple[float, float]:
     """(train, inference) images/s; inference is nan with train_only. profile > 0: after timing, print a
-    kernel-time breakdown of the train step with that many top kernels."""
+    kernel-time breakdown of the train step with that many top kernels. On a CPU (--dry-run): toy models, fp32."""
     torch.manual_seed(0)
-    model = build(name, omni_options).cuda()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    cuda = device == "cuda"
+    model = build(name, omni_options, toy=not cuda).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=cuda)
     if mode == "eager":
         fwd = model
     elif mode == "compile":
         fwd = torch.compile(model)
     else:  # an inductor mode name, e.g. max-autotune-no-cudagraphs
         fwd = torch.compile(model, mode=mode)
-    x = torch.randn(batch, 3, 224, 224, device="cuda")
-    y = torch.randint(0, 1000, (batch,), device="cuda")
+    image = 224 if cuda else TOY_IMAGE
+    x = torch.randn(batch, 3, image, image, device=device)
+    y = torch.randint(0, 1000, (batch,), device=device)
+    autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if cuda else nullcontext
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
 
     def train_step():
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        with autocast():
             loss = F.cross_entropy(fwd(x), y)
         loss.backward()
         opt.step()
@@ -109,19 +127,19 @@ def bench(name: str, mode: str, batch: int, steps: int, profile: int = 0, train_
 
     @torch.no_grad()
     def infer_step():
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        with autocast():
             fwd(x)
 
     out = []
     for step in (train_step,) if train_only else (train_step, infer_step):
-        for _ in range(3):
+        for _ in range(warmup):
             step()
-        torch.cuda.synchronize()
+        sync()
         times = []
         for _ in range(steps):
             t = time.perf_counter()
             step()
-            torch.cuda.synchronize()
+            sync()
             times.append(time.perf_counter() - t)
         out.append(batch / statistics.median(times))
     if profile:
@@ -130,7 +148,8 @@ def bench(name: str, mode: str, batch: int, steps: int, profile: int = 0, train_
         report = kernel_breakdown(train_step, top=profile)
         print(f"\n#### {name} {mode}: where a training step's time goes\n\n{report}\n", flush=True)
     del model, opt, fwd
-    torch.cuda.empty_cache()
+    if cuda:
+        torch.cuda.empty_cache()
     torch._dynamo.reset()
     return out[0], (float("nan") if train_only else out[1])
 
@@ -169,7 +188,16 @@ def main() -> None:
     ap.add_argument("--omni", default="", help="omni model variant, e.g. attention='flex' or bias=False (any "
                     "TrunkConfig field; Python literals)")
     ap.add_argument("--train-only", action="store_true", help="skip the inference timing")
+    ap.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation happens here)")
+    ap.add_argument("--out", type=Path, default=None, help="JSON file, rewritten after every row")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="toy models on the CPU, fp32, 1 step (checks the script; measures nothing)")
     args = ap.parse_args()
+    device = "cpu" if args.dry_run else "cuda"
+    if args.dry_run:
+        args.batch, args.steps, args.warmup = 2, 1, 1
+    elif not torch.cuda.is_available():
+        ap.error("no CUDA device (--dry-run runs toy models on the CPU)")
     omni_options = literal_assignments(args.omni)
     for name, value in literal_assignments(args.inductor).items():
         set_inductor_option(name, value)
@@ -180,17 +208,27 @@ def main() -> None:
                  "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
         sdpa_kernel([names[n] for n in args.sdpa.split(",")], set_priority=True).__enter__()
     torch.backends.cuda.matmul.allow_tf32 = True
-    peak = matmul_peak()
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, measured bf16 matmul peak {peak:.0f} TFLOP/s")
+    peak = matmul_peak() if device == "cuda" else float("nan")
+    hardware = torch.cuda.get_device_name() if device == "cuda" else "CPU (dry run: toy models)"
+    print(f"{hardware}, torch {torch.__version__}, measured bf16 matmul peak {peak:.0f} TFLOP/s")
     print("| model | mode | train img/s | MFU | inference img/s |\n|---|---|---|---|---|")
+    doc = {"device": hardware, "torch": torch.__version__, "batch": args.batch, "steps": args.steps,
+           "peak_tflops": peak, "dry_run": args.dry_run, "rows": []}
     for name in args.only.split(","):
         for mode in args.modes.split(","):
-            train, infer = bench(name, mode, args.batch, args.steps, args.profile, args.train_only, omni_options)
+            train, infer = bench(name, mode, args.batch, args.steps, args.profile, args.train_only, omni_options,
+                                 device, args.warmup)
             mfu = train * 3 * VIT_B16_GFLOP_FWD * 1e9 / (peak * 1e12)
             extra = f", inductor {args.inductor}" if args.inductor and mode != "eager" else ""
             extra += f", {args.omni}" if args.omni and name == "omni" else ""
             infer_text = "-" if args.train_only else f"{infer:,.0f}"
             print(f"| {name} | {mode} (sdpa {args.sdpa}{extra}) | {train:,.0f} | {mfu:.1%} | {infer_text} |", flush=True)
+            doc["rows"].append({"model": name, "mode": mode, "settings": f"sdpa {args.sdpa}{extra}",
+                                "train_img_s": train, "mfu": mfu, "infer_img_s": infer})
+            if args.out is not None:
+                tmp = args.out.with_name(f".{args.out.name}.tmp-{os.getpid()}")
+                tmp.write_text(json.dumps(doc, indent=2))
+                os.replace(tmp, args.out)
 
 
 if __name__ == "__main__":

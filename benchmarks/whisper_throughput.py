@@ -6,6 +6,7 @@ WhisperForConditionalGeneration (sdpa attention), side by side in one process.
   python benchmarks/whisper_throughput.py --only decode --out whisper-decode.json # a few minutes, compiles incl.)
   OMP_NUM_THREADS=1 python benchmarks/whisper_throughput.py --device cpu --steps 2 --warmup 1 --batch 2 \
       --frames 300 --new-tokens 8                        # CPU smoke run, ~1-2 min (fp32, no compile rows)
+  python benchmarks/whisper_throughput.py --dry-run --out whisper.json   # toy dims on the CPU, seconds
 
 Shapes (defaults = the Whisper-base anchors in research/anchors.md): 6 encoder + 6 decoder layers, width 512,
 8 heads, MLP 2048; random log-mel inputs (B, 80, 3000) = 30 s; random target ids. HF uses Whisper's
@@ -59,6 +60,8 @@ from omni.tokenizers.text import TextTokenizer
 from omni.trunk import preset
 
 HF_VOCAB = 51865  # Whisper's multilingual vocabulary
+DIMS = {"base": dict(d_model=512, n_layers=6, n_heads=8),  # openai/whisper-base; trunk preset "whisper-base"
+        "toy": dict(d_model=64, n_layers=2, n_heads=2)}  # --dry-run: checks the script, measures nothing
 ROWS = ["train/hf/eager", "train/hf/compile", "train/omni/eager", "train/omni/compile",
         "decode/hf/generate", "decode/omni/eager", "decode/omni/graph", "decode/omni/graph+compile"]
 
@@ -67,42 +70,45 @@ ROWS = ["train/hf/eager", "train/hf/compile", "train/omni/eager", "train/omni/co
 # Models: both take (log-mel (B, 80, frames), decoder input ids (B, T)) -> logits (B, T, vocab)
 
 
-def hf_config(frames: int):
+def hf_config(frames: int, dims: str = "base"):
     from transformers import WhisperConfig
 
     # openai/whisper-base's shape; max_source_positions must equal frames / 2 (HF checks the input length)
-    return WhisperConfig(vocab_size=HF_VOCAB, num_mel_bins=80, d_model=512, encoder_layers=6, decoder_layers=6,
-                         encoder_attention_heads=8, decoder_attention_heads=8, encoder_ffn_dim=2048,
-                         decoder_ffn_dim=2048, max_source_positions=frames // 2, max_target_positions=448)
+    d, layers, heads = DIMS[dims]["d_model"], DIMS[dims]["n_layers"], DIMS[dims]["n_heads"]
+    return WhisperConfig(vocab_size=HF_VOCAB, num_mel_bins=80, d_model=d, encoder_layers=layers,
+                         decoder_layers=layers, encoder_attention_heads=heads, decoder_attention_heads=heads,
+                         encoder_ffn_dim=4 * d, decoder_ffn_dim=4 * d, max_source_positions=frames // 2,
+                         max_target_positions=448)
 
 
-def hf_model(frames: int, dtype: torch.dtype = torch.float32):
+def hf_model(frames: int, dtype: torch.dtype = torch.float32, dims: str = "base"):
     from transformers import WhisperForConditionalGeneration
 
     torch.manual_seed(0)
-    return WhisperForConditionalGeneration._from_config(hf_config(frames), attn_implementation="sdpa", dtype=dtype)
+    return WhisperForConditionalGeneration._from_config(hf_config(frames, dims), attn_implementation="sdpa",
+                                                        dtype=dtype)
 
 
-def omni_model() -> SpeechRecognizer:
+def omni_model(dims: str = "base") -> SpeechRecognizer:
     """recipes/whisper.py's `base` preset model: trunk preset "whisper-base" for encoder and decoder."""
     torch.manual_seed(0)
-    return SpeechRecognizer(AudioTokenizer(), TextTokenizer(), preset("whisper-base"),
-                            preset("whisper-base", cross_attention=True))
+    return SpeechRecognizer(AudioTokenizer(), TextTokenizer(), preset("whisper-base", **DIMS[dims]),
+                            preset("whisper-base", cross_attention=True, **DIMS[dims]))
 
 
 class HFTrain(nn.Module):
-    def __init__(self, frames: int) -> None:
+    def __init__(self, frames: int, dims: str = "base") -> None:
         super().__init__()
-        self.model = hf_model(frames)
+        self.model = hf_model(frames, dims=dims)
 
     def forward(self, mel: Tensor, ids: Tensor) -> Tensor:
         return self.model(input_features=mel, decoder_input_ids=ids, use_cache=False).logits
 
 
 class OmniTrain(nn.Module):
-    def __init__(self, audio_mask: bool) -> None:
+    def __init__(self, audio_mask: bool, dims: str = "base") -> None:
         super().__init__()
-        self.model, self.audio_mask = omni_model(), audio_mask
+        self.model, self.audio_mask = omni_model(dims), audio_mask
 
     def forward(self, mel: Tensor, ids: Tensor) -> Tensor:
         tokens = unfold_tokens(mel)  # (B, frames/2, 400): the tokenizer's windows, here on the device
@@ -147,7 +153,8 @@ def cleanup() -> None:
 
 
 def train_row(system: str, mode: str, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
-    model = (HFTrain(args.frames) if system == "hf" else OmniTrain(args.audio_mask)).to(device).train()
+    model = (HFTrain(args.frames, args.dims) if system == "hf" else OmniTrain(args.audio_mask, args.dims)).to(device)
+    model.train()
     vocab = HF_VOCAB if system == "hf" else model.model.vocab_size
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
     fwd = torch.compile(model) if mode == "compile" else model
@@ -181,7 +188,7 @@ def decode_row(system: str, mode: str, args: argparse.Namespace, device: torch.d
     if system == "hf":
         from transformers.modeling_outputs import BaseModelOutput
 
-        model = hf_model(args.frames, dtype).to(device).eval()
+        model = hf_model(args.frames, dtype, args.dims).to(device).eval()
         kw = dict(min_new_tokens=N, max_new_tokens=N, do_sample=False)
         with torch.no_grad():
             memory = BaseModelOutput(last_hidden_state=model.model.encoder(mel).last_hidden_state)
@@ -192,7 +199,7 @@ def decode_row(system: str, mode: str, args: argparse.Namespace, device: torch.d
                 out = fn()
             assert out.shape[0] == B and out.shape[1] >= N, f"HF generate returned {tuple(out.shape)}"
     else:
-        model = omni_model().to(device=device, dtype=dtype).eval()
+        model = omni_model(args.dims).to(device=device, dtype=dtype).eval()
         mask = torch.ones(B, args.frames // 2, dtype=torch.bool, device=device) if args.audio_mask else None
         with torch.no_grad():
             memory = model.encode(unfold_tokens(mel), mask)
@@ -244,7 +251,14 @@ def main() -> None:
     ap.add_argument("--audio-mask", action="store_true",
                     help="give omni an all-True audio key mask (the recipe's padded-batch path)")
     ap.add_argument("--out", type=Path, default=None, help="JSON file, rewritten after every row")
+    ap.add_argument("--dims", choices=sorted(DIMS), default="base", help="model shape (toy: the dry run's)")
+    ap.add_argument("--dry-run", action="store_true", help="toy dims on the CPU, tiny batches, one step per row, "
+                    "no compile rows: checks the script, measures nothing")
     args = ap.parse_args()
+    if args.dry_run:
+        args.device, args.dims, args.batch, args.decode_batch, args.frames = "cpu", "toy", 2, 2, 64
+        args.target_tokens, args.new_tokens, args.steps, args.decode_steps = 8, 4, 1, 1
+        args.windows, args.warmup, args.compile = 1, 0, False
     if args.frames % 2:
         ap.error("--frames must be even (HF's stem halves it; omni's windows are every 2 frames)")
     if args.target_tokens > 448:
@@ -268,7 +282,7 @@ def main() -> None:
               f"log-mel (B, 80, {args.frames}), train batch {args.batch} x {args.target_tokens} target tokens, "
               f"decode batch {args.decode_batch} x {args.new_tokens} new tokens")
     print(header, flush=True)
-    doc: dict[str, Any] = {"hardware": hardware, "torch": torch.__version__, "transformers": transformers.__version__,
+    doc: dict[str, Any] = {"hardware": hardware, "dims": args.dims, "torch": torch.__version__, "transformers": transformers.__version__,
                            "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
                            "rows": []}
     reference: dict[str, list[list[int]]] = {}
@@ -296,7 +310,9 @@ def main() -> None:
         printed.add(kind)
         doc["rows"].append({"row": row, **r})
         if args.out is not None:
-            args.out.write_text(json.dumps(doc, indent=2))
+            tmp = args.out.with_name(f".{args.out.name}.tmp")
+            tmp.write_text(json.dumps(doc, indent=2))
+            tmp.replace(args.out)  # a run killed mid-write keeps the previous rows
 
 
 if __name__ == "__main__":

@@ -264,3 +264,59 @@ def test_cuda_graph_compiled_bf16_matches_compiled_eager():
     assert l2 == pytest.approx(l1, rel=1e-3)
     worst = max((a - b).abs().max().item() for a, b in zip(m1.parameters(), m2.parameters()))
     assert worst < 1e-4, f"parameters differ by {worst}"
+
+
+# ----------------------------------------------------------------------------------------------------
+# Graphed greedy decoding with Whisper's logit rules (SuppressTokens, SuppressAtStart, TimestampRules): on the
+# CPU the fixed-shape step runs eagerly, on CUDA it is captured in one graph; both must give greedy_decode's tokens.
+
+
+def ruled_models():
+    """A tiny random recogniser (weights enlarged: varied tokens) with a model's own rules (its most chosen token
+    suppressed, its first token suppressed at the start) and its timestamp mode (the last 64 ids as timestamps),
+    the unruled model, a padded batch of 3 clips' memory and mask."""
+    from _speech_models import tiny_model
+
+    from omni.decoding import SuppressAtStart, SuppressTokens, greedy_decode
+    from omni.speech import TimestampMode, pad_audio
+    from omni.tokenizers.audio import AudioTokenizer
+    from omni.tokenizers.text import TextTokenizer
+
+    audio, text = AudioTokenizer(), TextTokenizer()
+    model = tiny_model(audio, text, seed=2).eval()
+    g = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.3)
+        frames, mask = pad_audio([torch.randn(n, audio.n_mels * audio.kernel, generator=g) for n in (30, 47, 38)])
+        memory = model.encode(frames, mask)
+        free = greedy_decode(model, memory, mask, max_new_tokens=24, tokens_per_second=None, max_repeats=None)
+    chosen = [t for row in free for t in row]
+    model.logit_filters = torch.nn.ModuleList([SuppressTokens([max(set(chosen), key=chosen.count)]),
+                                               SuppressAtStart([free[0][0]])])
+    model.timestamp_begin, model.no_timestamps_id = model.vocab_size - 64, None
+    return model, TimestampMode(model), free, memory, mask
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not CUDA, reason="needs CUDA"))])
+def test_graphed_decoding_with_logit_rules(device):
+    from omni.decoding import GraphedGreedyDecoder, greedy_decode
+
+    model, timed, free, memory, mask = ruled_models()
+    model.to(device)
+    memory, mask = memory.to(device), mask.to(device)
+    kw = dict(max_new_tokens=24, tokens_per_second=None, max_repeats=None)
+    refs = []
+    with torch.no_grad():
+        for decoder in (model, timed):
+            ref = greedy_decode(decoder, memory, mask, **kw)
+            graphed = GraphedGreedyDecoder(decoder, graph=device == "cuda", **kw)
+            assert graphed(memory, mask) == ref
+            assert (graphed._graph is not None) == (device == "cuda")
+            assert graphed(memory.flip(0), mask.flip(0)) == greedy_decode(decoder, memory.flip(0), mask.flip(0), **kw)
+            assert ref != free  # the rules changed the tokens
+            refs.append(ref)
+    plain, stamped = refs
+    suppressed = int(model.logit_filters[0].ids[0])
+    assert all(suppressed not in row and row[:1] != free[0][:1] for row in plain + stamped)
+    assert all(row and row[0] >= model.timestamp_begin for row in stamped)  # TimestampRules: a timestamp first
