@@ -147,13 +147,15 @@ def test_features_class_names_single_dataset_holdout_and_rename(tmp_path: Path) 
     table = pa.table({"image": [{"bytes": image_bytes(i), "path": None} for i in range(4)]
                       + [{"bytes": None, "path": "imgs/a.png"}, {"bytes": None, "path": "imgs/gone.png"}],
                       "label": ["dog", "cat", "dog", "emu", "cat", "cat"]})  # fmt: skip
-    pq.write_table(table, tmp_path / "plain-0.parquet")
+    pq.write_table(table, tmp_path / "plain-0.parquet", row_group_size=2)  # read a row group at a time
     m, lines = warned(lambda: build_hf(tmp_path / "o3", src=str(tmp_path / "plain-*.parquet"), quiet=True))
     assert m["classes"] == ["cat", "dog", "emu"] and m["skipped"] == {"image not found": 1}
     assert lines[0] == f"train[5]: image file {tmp_path / 'imgs' / 'gone.png'} not found; skipped"
     got = read_back(tmp_path / "o3", "train")
     assert sorted(int(s["cls"]) for s in got.values()) == [0, 0, 1, 1, 2]
     assert got["train[4]"]["png"] == image_bytes(5)
+    # the parquet spilled to arrow went with the staging folder
+    assert sorted(p.name for p in (tmp_path / "o3").iterdir()) == [".omni.lock", "manifest.json", "train-000000.tar"]
 
 
 def test_parquet_and_arrow_speech(tmp_path: Path) -> None:
