@@ -66,9 +66,9 @@ class Check:
 @dataclass(frozen=True)
 class SetsTrunk(Check):
     """A ``trunk_overrides`` check that knows the TrunkConfig fields the recipe derives from its other entries
-    (``derive``: field -> cfg -> value), so ``check_trunk`` sizes the trunk the recipe builds."""
+    (``derive``: field -> (how it reads, cfg -> value)), so ``check_trunk`` sizes the trunk the recipe builds."""
 
-    derive: Mapping[str, Callable[[Mapping[str, Any]], Any]] = field(default_factory=dict, compare=False)
+    derive: Mapping[str, tuple[str, Callable[[Mapping[str, Any]], Any]]] = field(default_factory=dict, compare=False)
 
 
 def sets_trunk(**fields: tuple[str, Callable[[Mapping[str, Any]], Any]]) -> SetsTrunk:
@@ -77,7 +77,7 @@ def sets_trunk(**fields: tuple[str, Callable[[Mapping[str, Any]], Any]]) -> Sets
     override of one would be passed twice; the derived value counts in the trunk's memory estimate."""
     why = "; ".join(f"{n} comes from {how}" for n, (how, _) in fields.items())
     return SetsTrunk(lambda v: not set(v) & set(fields), f"without {', '.join(fields)}: {why}",
-                     derive={n: fn for n, (_, fn) in fields.items()})
+                     derive=dict(fields))
 
 
 def keywords_of(fn: Callable[..., Any], skip: int = 1) -> Check:
@@ -86,7 +86,7 @@ def keywords_of(fn: Callable[..., Any], skip: int = 1) -> Check:
     names = list(inspect.signature(fn).parameters)[skip:]
     try:
         hints = typing.get_type_hints(fn)
-    except Exception:  # an annotation that does not resolve: the names are still checked
+    except (NameError, TypeError, AttributeError):  # an annotation that does not resolve: names still checked
         hints = {}
     entries = {n: Key(type=_hint_types(hints.get(n)) or object) for n in names}
     return Check(lambda v: set(v) <= set(names), f"keyed by {fn.__name__}'s parameters: {', '.join(names)}",
@@ -452,12 +452,13 @@ def check_trunk(cfg: Mapping[str, Any], keys: Mapping[str, Key] = RULES) -> Trun
     given = {n: cfg[n] for n in ("positions", "dropout") if cfg.get(n) is not None and n in keys}
     check = keys["trunk_overrides"].check if "trunk_overrides" in keys else None
     try:
-        derived = {n: fn(cfg) for n, fn in check.derive.items()} if isinstance(check, SetsTrunk) else {}
+        derived = {n: (fn(cfg), how) for n, (how, fn) in check.derive.items()} if isinstance(check, SetsTrunk) else {}
     except (KeyError, TypeError, ArithmeticError):  # an entry it reads is None: the recipe says what it needs
         derived = {}
     made = f"trunk {cfg['trunk']!r}" + (f" with trunk_overrides {overrides}" if overrides else "")
     try:
-        trunk = TrunkConfig(**{**TRUNKS[cfg["trunk"]], **given, **derived, **overrides})
+        trunk = TrunkConfig(**{**TRUNKS[cfg["trunk"]], **given, **{n: v for n, (v, _) in derived.items()},
+                               **overrides})
         if trunk.positions == "sinusoidal" and trunk.d_model % 4:  # omni.trunk.SinusoidalPositions
             raise ValueError(f"sinusoidal positions need d_model divisible by 4, got {trunk.d_model}")
         if int(trunk.mlp_ratio * trunk.d_model) < 1:
@@ -467,8 +468,7 @@ def check_trunk(cfg: Mapping[str, Any], keys: Mapping[str, Key] = RULES) -> Trun
     n = trunk_parameters(trunk)
     need, have = TRAIN_BYTES_PER_PARAMETER * n, machine_memory()
     if have and need > have:
-        made += "".join(f" and {name} {value} (from {check.text.partition(name + ' comes from ')[2].split(';')[0]})"
-                        for name, value in derived.items())
+        made += "".join(f" and {name} {value} (from {how})" for name, (value, how) in derived.items())
         raise ValueError(f"{made}: about {n:.3g} parameters, which need about {_size(need)} to train "
                          f"({_size(4 * n)} of fp32 weights, as much again for gradients and twice for AdamW's "
                          f"moments): more than this machine's {_size(have)} of memory")

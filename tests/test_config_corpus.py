@@ -99,7 +99,8 @@ def test_the_lm_recipe_refuses_a_binary_corpus_in_one_line(tmp_path):
     """As a user runs it (text=[] is refused at parsing: tests/test_recipe_config.py)."""
     bad = binary(tmp_path / "photo.jpg")
     proc = subprocess.run([sys.executable, "recipes/lm.py", "--preset", "tiny", "--out", str(tmp_path / "run"),
-                           "--set", f"text=[{str(bad)!r}]"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+                           "--set", f"text=[{str(bad)!r}]"], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          check=False)
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip().splitlines()[-1] == \
         f"recipes/lm.py: error: {bad}: not a text file (a NUL byte at offset 0: binary data); give UTF-8 text files"
