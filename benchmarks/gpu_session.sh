@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU-only check of the open issues, in stages that each fit one 10-minute call on the lent H100.
+# The standing check (every CUDA-only test + the side-by-side rows, one call of <= 8 minutes) is now
+# benchmarks/gpu_check.sh; the stages here stay for the longer experiments and the commands results.md records.
 #
 #   bash benchmarks/gpu_session.sh STAGE [OUT]       # OUT defaults to $OUT, else runs/gpu
 #
