@@ -140,6 +140,7 @@ def test_features_class_names_single_dataset_holdout_and_rename(tmp_path: Path) 
     assert set(find_source(tmp_path / "pq").splits) == {"train", "validation"}
     m = build_hf(tmp_path / "o2", src=tmp_path / "pq", rename={"validation": "val"}, quiet=True)
     assert m["classes"] == ["b", "a"] and set(m["splits"]) == {"train", "val"}
+    assert sorted(read_back(tmp_path / "o2", "val")) == sorted(f"validation[{i}]" for i in range(10))
     # a glob of parquet files written by another tool: string labels (classes: the sorted strings), images by
     # path relative to the parquet's folder, one of them missing
     (tmp_path / "imgs").mkdir()

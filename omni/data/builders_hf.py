@@ -525,6 +525,7 @@ def build_hf(
         classes = _classes(pa, cols, features, tables, where)
         # (split, row) per sample; a single split may lose a seeded val share
         rows = holdout({s: [(s, i) for i in range(t.num_rows)] for s, t in tables.items()}, val_fraction, seed)
+        source_name = {v: k for k, v in split_names.items()}  # rows are named by the source's split names
         found: list[tuple[tuple[int, str, int], Skipped]] = []  # (where in the source, what), warned in that order
         stats: dict[str, Any] = {}
         kept = 0
@@ -535,7 +536,8 @@ def build_hf(
             seconds = 0.0
             ids: set[str] = set()
             with build.split(name, total=len(ordered)) as w:
-                for k, (sname, i, row) in enumerate(_rows(tables, ordered)):
+                for k, (table, i, row) in enumerate(_rows(tables, ordered)):
+                    sname = source_name[table]
                     at = f"{sname}[{i}]"
                     try:
                         sample = _sample(cols, row, source.root, classes, ids)
