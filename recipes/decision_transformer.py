@@ -42,8 +42,8 @@ from typing import Any
 
 import torch
 
-from omni.config import (FRACTION, NON_EMPTY, POSITIVE, Check, Key, at_least, one_of, rank_zero_first, recipe_config,
-                          recipe_parser, run_recipe, train_config)
+from omni.config import (FRACTION, NON_EMPTY, POSITIVE, SEED, Check, Key, at_least, one_of, rank_zero_first,
+                          recipe_config, recipe_parser, run_recipe, sets_trunk, train_config)
 from omni.data.shards import read_manifest
 from omni.deps import require
 from omni.files import write_atomic
@@ -73,12 +73,12 @@ COMMON = dict(
     data=Key(None, help="dataset directory (None: data/gym-<env>, built with the settings below if missing)"),
     episodes=Key(1000, check=at_least(1), help="episodes to record when building the data"),
     mix=Key(None, (str, None), help="behaviour policy mix 'POLICY:WEIGHT,...' (None: the env's default)"),
-    data_seed=Key(0, check=at_least(0)), out=Key(None, (str, None), help="None: runs/dt-<env>-<preset>"),
+    data_seed=Key(0, check=SEED), out=Key(None, (str, None), help="None: runs/dt-<env>-<preset>"),
     policies=Key(None, (str, None), help="an `omni data train-policy` file for envs without built-in policies"),
     methods=Key(["dt", "bc", "fbc"], check=NON_EMPTY, each=Key(type=str, check=one_of("dt", "bc", "fbc")),
                 help="dt: returns-conditioned; bc: (state, action) only; fbc: bc on the top fbc_fraction episodes"),
     fbc_fraction=Key(0.1, check=Check(lambda v: 0 < v <= 1, "in (0, 1]")),
-    trunk="dt", trunk_overrides={},
+    trunk="dt", trunk_overrides=Key({}, check=sets_trunk(max_positions=("3 x context", lambda c: 3 * c["context"]))),
     positions=Key("none", help="official DT: no token positions, a timestep embedding"),
     dropout=0.1, context=Key(20, check=at_least(1), help="steps per training window"),
     rtg_scale=Key(None, (float, None), POSITIVE, "returns-to-go divided by this (None: from the data)"),
@@ -88,7 +88,7 @@ COMMON = dict(
     batch_size=64, steps=10_000, lr=1e-4, min_lr_ratio=0.1, warmup_steps=1000, weight_decay=1e-4, clip_norm=0.25,
     # cuda_graph: the whole step as one CUDA graph (the DT is launch-bound: 5-9x the eager step on an H100)
     compile=False, cuda_graph="auto",
-    train_seeds=Key([0], check=NON_EMPTY, each=Key(type=int, check=at_least(0)), help="one run per seed"),
+    train_seeds=Key([0], check=NON_EMPTY, each=Key(type=int, check=SEED), help="one run per seed"),
     eval_seeds=Key(5, check=at_least(1), help="rollout episodes per target (env seeds 10000..)"),
     target_fractions=Key([1.0, 0.75, 0.5], check=NON_EMPTY, help="target returns as fractions of "
                                                                   "(expert - random) over random"),

@@ -42,7 +42,7 @@ from typing import Any
 import torch
 
 from omni.config import (Check, Key, at_least, between, check_corpus, one_of, recipe_config,
-                          recipe_parser, run_recipe, train_config)
+                          recipe_parser, run_recipe, sets_trunk, train_config)
 from omni.init import OMNI_BUILDER, load_init, read_init
 from omni.mixture import MixtureLoader
 from omni.multitask import MultitaskModel, multitask_loss
@@ -67,7 +67,7 @@ COMMON = dict(
     min_words=Key(4, check=at_least(1), help="shorter paragraphs (headings) are dropped"),
     eval_fraction=Key(0.02, check=Check(lambda v: 0 < v < 1, "in (0, 1)"), help="held-out share of documents"),
     limit_train=None, limit_eval=None,
-    trunk="S", trunk_overrides={},
+    trunk="S", trunk_overrides=Key({}, check=sets_trunk(max_positions=("context", lambda c: c["context"]))),
     positions=Key("learned_1d", str, one_of("learned_1d", "rope", "sinusoidal", "none"),
                   "token positions (from scratch)"),
     dropout=Key(None, (float, None), between(0, 0.99), "residual dropout; None: 0 from scratch, the init's own"),

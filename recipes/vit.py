@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from omni.config import (FRACTION, POSITIVE, Key, at_least, between, one_of, rank_zero_first, recipe_config,
-                          recipe_parser, run_recipe, train_config)
+                          recipe_parser, run_recipe, sets_trunk, train_config)
 from omni.data.memory import TensorLoader, materialise
 from omni.data.reader import ShardLoader
 from omni.data.shards import read_manifest
@@ -55,7 +55,9 @@ COMMON = dict(
     resize=Key(None, (int, None), at_least(1), "None: images already image_size; N: resize the shorter side "
                                                 "to N, then crop image_size"),
     in_memory=Key(True, help="decode the whole split once into tensors (small datasets)"),
-    patch=Key(4, check=at_least(1), help="patch size in pixels"), trunk="S", trunk_overrides={},
+    patch=Key(4, check=at_least(1), help="patch size in pixels"), trunk="S",
+    trunk_overrides=Key({}, check=sets_trunk(max_positions=("image_size // patch",
+                                                            lambda c: c["image_size"] // c["patch"]))),
     positions="learned", pool=Key("mean", check=one_of("mean", "cls")),
     batch_size=256, epochs=Key(10, (float, None), POSITIVE, "training epochs (unless steps is set)"),
     steps=Key(None, (int, None), help="optimizer steps (None: epochs x steps per epoch)"), lr=1e-3,
