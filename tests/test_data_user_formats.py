@@ -255,6 +255,17 @@ def test_audio_manifests_csv_tsv_jsonl(tmp_path: Path) -> None:
         assert got[f"sub/{i}.wav"]["wav"] == audio_bytes(i)
         assert got[f"sub/{i}.wav"]["txt"].decode() == f"hello, number {i}"
 
+    # audiofolder with split folders: train/metadata.csv + test/metadata.csv, --rename test=eval
+    for split, n in (("train", 3), ("test", 2)):
+        (af / split).mkdir()
+        for i in range(n):
+            (af / split / f"{i}.flac").write_bytes(audio_bytes(i, "FLAC"))
+        (af / split / "metadata.csv").write_text("file_name,text\n" + "".join(f"{i}.flac,{split} {i}\n" for i in range(n)))
+    m = build_audio_manifest(tmp_path / "o_split", manifest=[af / "train" / "metadata.csv", af / "test" / "metadata.csv"],
+                             rename={"test": "eval"}, quiet=True)  # fmt: skip
+    assert {k: v["count"] for k, v in m["splits"].items()} == {"train": 3, "eval": 2}
+    assert {s["txt"].decode() for s in read_back(tmp_path / "o_split", "eval").values()} == {"test 0", "test 1"}
+
     # Common Voice: train.tsv + test.tsv, audio in clips/, a quote in a sentence that csv must not eat
     cv = tmp_path / "cv"
     (cv / "clips").mkdir(parents=True)
