@@ -18,6 +18,7 @@ from omni.data.builders_vision import build_fashion_mnist
 from omni.export import load_pretrained
 
 ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: 2 torch threads on 2 busy cores ran 5x slower
 
 
 def load_recipe():
@@ -170,7 +171,7 @@ def eval_history(out: Path) -> dict[int, tuple[float, float]]:
     return {r["step"]: (r["eval/accuracy"], r["eval/loss"]) for r in rows if "eval/accuracy" in r}
 
 
-def test_eval_metrics_do_not_depend_on_hooks_or_resume(dataset, tmp_path, monkeypatch, one_thread):
+def test_eval_metrics_do_not_depend_on_hooks_or_resume(dataset, tmp_path, monkeypatch):
     """The sample-picture hook shows the first eval batch without moving the eval loader: every evaluation
     scores all 4 eval batches, with or without hooks, and a run stopped at step 3 and resumed scores at step 4 what
     an uninterrupted run does (its hook's first read comes after the resume). Before, the hook's read cut the
@@ -229,7 +230,7 @@ def test_eval_metrics_do_not_depend_on_hooks_or_resume(dataset, tmp_path, monkey
     assert straight["eval/accuracy"] == pytest.approx(expected, abs=1e-6)
 
 
-def test_a_run_killed_before_its_results_reports_them_on_a_rerun(dataset, tmp_path, capsys, one_thread):
+def test_a_run_killed_before_its_results_reports_them_on_a_rerun(dataset, tmp_path, capsys):
     """A run whose export landed but whose train_results.json did not (killed between the two, as an older
     omni wrote them in that order) is evaluated again from its final checkpoint on a re-run: the re-run reports
     the run's test accuracy (not nan) and writes the results; a further re-run just reports them."""
