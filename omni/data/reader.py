@@ -32,8 +32,14 @@
 Do not pass the loader to ``accelerator.prepare``: it already splits by rank, and Accelerate
 would re-shard or dispatch it (research/pitfalls.md 1-3). Move batches to the device yourself.
 
-Only uncompressed tar files on a local (or mounted) file system are read: random access is what
-makes resume and worker-independent batches cheap. Stream remote data to disk first.
+Shards are uncompressed tar files read by random access: that is what makes resume and
+worker-independent batches cheap. Shards behind URLs (``https://``, ``s3://``, ``gs://``, ``pipe:CMD``; a dataset
+URL whose manifest.json lists them, a URL list or a brace pattern) are fetched whole, on demand, into a bounded
+local cache (omni.data.remote.ShardCache) and then read like local ones, so every promise above holds for them:
+a rank's data workers only touch the shards of their current shuffle window, a resumed run fetches only the
+shards of the batch it starts at, and a shard whose bytes differ from the manifest's sha256 (changed on the
+server) is skipped and counted like a local one. A 404, a refused credential, a spent retry budget or a full
+cache disk stops the run with one line naming the URL or the folder.
 """
 
 from __future__ import annotations
@@ -55,7 +61,9 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
+from omni.data.remote import RemoteOptions, ShardCache, expand, is_dataset_url, is_remote, join_url, local_path
 from omni.data.shards import MANIFEST_NAME, DatasetError, read_manifest, sha256_file
+from omni.files import DiskFullError, NotWritableError
 
 logger = logging.getLogger(__name__)
 
@@ -305,34 +313,49 @@ def manifest_shards(
 
     A shard whose size differs from the manifest is only logged here: the reader finds its sha256
     wrong too, skips and counts its samples as corrupt, and the corrupt-fraction limit decides.
+    ``dataset_dir`` may be a URL (omni.data.remote): the shard URLs are then the manifest's names next to it.
     """
-    root = Path(dataset_dir)
-    manifest = read_manifest(root, kind=kind)
+    return _manifest_plan(dataset_dir, split, kind)[:3]
+
+
+def _manifest_plan(
+    dataset_dir: str | os.PathLike[str], split: str, kind: str | Sequence[str] | None = None,
+    remote: RemoteOptions | None = None,
+) -> tuple[list[str], list[int], list[str | None], list[int | None]]:
+    """manifest_shards plus each shard's size in bytes (None where the manifest has none)."""
+    if is_remote(os.fspath(dataset_dir)):
+        from omni.data.remote import manifest_url
+
+        where = manifest_url(os.fspath(dataset_dir))
+        manifest = read_manifest(where, kind=kind, options=remote)
+        shard_path: Callable[[str], str] = lambda name: join_url(where, name)
+    else:
+        root = Path(dataset_dir)
+        where = str(root / MANIFEST_NAME)
+        manifest = read_manifest(root, kind=kind)
+        shard_path = lambda name: str(root / name)
     splits = manifest["splits"]
     if split not in splits:
-        raise DatasetError(f"{root / MANIFEST_NAME} has no split {split!r}; available: {', '.join(sorted(splits)) or 'none'}")
-    urls, counts, digests = [], [], []
+        raise DatasetError(f"{where} has no split {split!r}; available: {', '.join(sorted(splits)) or 'none'}")
+    urls, counts, digests, sizes = [], [], [], []
     for shard in splits[split]["shards"]:
-        path = root / shard["name"]
-        if path.is_file() and "bytes" in shard and path.stat().st_size != shard["bytes"]:
+        path = shard_path(shard["name"])
+        if not is_remote(path) and os.path.isfile(path) and "bytes" in shard and os.path.getsize(path) != shard["bytes"]:
             logger.warning("shard %s has %d bytes but the manifest says %d: it changed after the build; "
-                           "its samples will be skipped as corrupt", path, path.stat().st_size, shard["bytes"])
-        urls.append(str(path))
+                           "its samples will be skipped as corrupt", path, os.path.getsize(path), shard["bytes"])
+        urls.append(path)
         counts.append(int(shard["count"]))
         digests.append(shard.get("sha256"))
-    return urls, counts, digests
+        sizes.append(int(shard["bytes"]) if isinstance(shard.get("bytes"), int) else None)
+    return urls, counts, digests, sizes
 
 
 def _expand_source(source: Any) -> list[str]:
-    """A list of paths, one path, or a brace pattern like ``dir/train-{000..009}.tar``."""
+    """A list of paths or URLs, one of them, or a brace pattern like ``dir/train-{000..009}.tar`` (brace patterns
+    inside a list are expanded too); ``file://`` URLs become paths."""
     if isinstance(source, (str, os.PathLike)):
-        text = os.fspath(source)
-        if "{" in text:
-            import braceexpand
-
-            return list(braceexpand.braceexpand(text))
-        return [text]
-    return [os.fspath(s) for s in source]
+        return [local_path(u) for u in expand(os.fspath(source))]
+    return [local_path(u) for s in source for u in expand(os.fspath(s))]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -355,6 +378,8 @@ class _Config:
     drop_last: bool
     fields: tuple[str, ...]
     sha256: tuple[str | None, ...] = ()  # per shard, from the manifest; () for bare shard paths
+    sizes: tuple[int | None, ...] = ()  # per shard, bytes from the manifest (room made in the cache first)
+    remote: RemoteOptions | None = None  # set when some shard is a URL: how it is fetched and cached
 
     @property
     def num_samples(self) -> int:
@@ -448,6 +473,7 @@ class _Item:
     filtered: int  # decode returned None on purpose
     corrupt: list[tuple[str, str, str]]  # (key, shard path, reason)
     filler_key: str | None  # set when every slot failed and one valid sample was borrowed
+    error: BaseException | None = None  # a data worker's fatal error (a 404, a full cache disk), raised in the loader
 
 
 class _Reader:
@@ -457,23 +483,39 @@ class _Reader:
         self.cfg, self.max_open = cfg, max_open
         self._index: dict[int, ShardIndex] = {} if indexes is None else indexes
         self._files: OrderedDict[int, BinaryIO] = OrderedDict()
+        self._cache = ShardCache(cfg.remote) if cfg.remote is not None else None
+        self._digests: dict[int, str] = {}  # remote shards: sha256 of the cached copy, computed while fetched
+
+    def path(self, sid: int) -> str:
+        """The local file of shard sid: the path itself, or its copy in the shard cache (fetched now if needed)."""
+        url = self.cfg.urls[sid]
+        if self._cache is None or not is_remote(url):
+            return url
+        expected = self.cfg.sha256[sid] if self.cfg.sha256 else None
+        size = self.cfg.sizes[sid] if self.cfg.sizes else None
+        local, self._digests[sid] = self._cache.get(url, expected, size)
+        return local
 
     def index(self, sid: int) -> ShardIndex:
         """The shard's header index, built once per process; with a manifest digest the whole file is
-        hashed first, and a mismatch marks every sample corrupt."""
+        hashed first (a remote shard's digest comes from its fetch), and a mismatch marks every sample corrupt."""
         if sid not in self._index:
             url = self.cfg.urls[sid]
-            idx = index_shard(url)
+            local = self.path(sid)
+            idx = index_shard(local)
             if len(idx) > self.cfg.counts[sid]:
                 logger.warning(
                     "shard %s holds %d samples but its count is %d; the extra samples are never read",
                     url, len(idx), self.cfg.counts[sid],
                 )
             expected = self.cfg.sha256[sid] if self.cfg.sha256 else None
-            if expected is not None and (actual := sha256_file(url)) != expected:
+            if expected is not None and (actual := self._digests.get(sid) or sha256_file(local)) != expected:
+                where = "on the server" if local != url else ""
                 why = (f"shard {url} sha256 mismatch (manifest says {expected}, file has {actual}): "
-                       "it changed after the build")
+                       f"it changed {where + ' ' if where else ''}after the build")
                 idx = ShardIndex(url, idx.samples, dict.fromkeys(range(len(idx)), why), idx.error or why)
+                if self._cache is not None and local != url:
+                    self._cache.discard(local)  # a later run fetches it again rather than trust this copy
             self._index[sid] = idx
         return self._index[sid]
 
@@ -481,7 +523,7 @@ class _Reader:
         if sid in self._files:
             self._files.move_to_end(sid)
         else:
-            self._files[sid] = open(self.cfg.urls[sid], "rb")
+            self._files[sid] = open(self.path(sid), "rb")
             while len(self._files) > self.max_open:
                 self._files.popitem(last=False)[1].close()
         return self._files[sid]
@@ -496,6 +538,8 @@ class _Reader:
         url = self.cfg.urls[sid]
         try:
             idx = self.index(sid)
+        except (DiskFullError, NotWritableError):
+            raise  # the shard cache's disk, not the shard: the run cannot go on
         except OSError as exc:
             return None, f"{Path(url).name}#{i}", f"cannot open shard: {type(exc).__name__}: {exc}"
         if i >= len(idx):
@@ -618,7 +662,17 @@ class _EpochBatches(IterableDataset):
             # torch's in-order DataLoader asks workers round robin, so worker wid's k-th batch is
             # delivered as the (wid + k*nw)-th item: exactly batch start + wid + k*nw.
             for j in range(self.start + wid, plan.num_batches, nw):
-                yield _make_batch(plan, reader, j)
+                try:
+                    item = _make_batch(plan, reader, j)
+                except (DatasetError, OSError) as exc:
+                    if info is None or not isinstance(exc, (DatasetError, DiskFullError, NotWritableError)):
+                        raise
+                    # torch re-raises a worker's exception with its traceback in the message: hand the
+                    # one-line error to the loader instead, which raises it in the training process.
+                    item = _Item(self.epoch, j, None, 0, 0, 0, [], None, error=exc)
+                yield item
+                if item.error is not None:
+                    return
         finally:
             reader.close()
 
@@ -639,10 +693,12 @@ def _rank_defaults(rank: int | None, world_size: int | None) -> tuple[int, int]:
 
 
 class ShardLoader:
-    """Seeded, rank- and worker-split batches from local webdataset shards, with exact resume.
+    """Seeded, rank- and worker-split batches from webdataset shards, with exact resume.
 
     source:      a dataset directory holding manifest.json (use ``split``), shard paths, one path,
-                 or a brace pattern ("data/train-{000..009}.tar").
+                 or a brace pattern ("data/train-{000..009}.tar"). Each may be a URL: a dataset URL
+                 ("https://host/ds", "s3://bucket/ds", or its manifest.json), shard URLs ("gs://b/train-0.tar",
+                 "pipe:curl -s https://host/train-{000..009}.tar"); see the module docstring.
     decode:      raw sample dict {"__key__", "__url__", field: bytes} -> value for ``collate``
                  (e.g. an omni Sample); raising marks the sample corrupt, returning None drops it.
                  Must be picklable for spawned workers (a module-level function or object).
@@ -659,6 +715,8 @@ class ShardLoader:
     max_corrupt_fraction: fail (DatasetError) when corrupt/seen in an epoch exceeds it (checked once
                  ``corrupt_check_after`` samples were seen, and at the end of every epoch). Recipes
                  expose it as the config key ``max_corrupt_fraction``.
+    remote:      how remote shards are fetched and cached (omni.data.remote.RemoteOptions: cache folder and
+                 size limit, retries, storage options); by default from $OMNI_SHARD_CACHE, $OMNI_SHARD_CACHE_GB ...
 
     Iterating yields the remaining batches of the current epoch, then moves to the next epoch.
     ``state_dict()`` is the position of the next batch; save it with the model checkpoint.
@@ -686,24 +744,38 @@ class ShardLoader:
         prefetch_factor: int = 2,
         multiprocessing_context: str | None = None,
         kind: str | Sequence[str] | None = None,
+        remote: RemoteOptions | None = None,
     ) -> None:
         digests: list[str | None] = []  # checked against each shard when first indexed (manifest only)
-        if isinstance(source, (str, os.PathLike)) and Path(source).is_dir():
+        sizes: list[int | None] = []
+        if isinstance(source, (str, os.PathLike)) and (
+            is_dataset_url(os.fspath(source)) or (not is_remote(os.fspath(source)) and Path(source).is_dir())
+        ):
             if counts is not None:
                 raise ValueError("counts comes from the manifest when source is a dataset directory")
-            urls, counts, digests = manifest_shards(source, split, kind)
+            urls, counts, digests, sizes = _manifest_plan(source, split, kind, remote)
         else:
             urls = _expand_source(source)
         if not urls:
             raise ValueError("no shards given")
         for url in urls:
-            if "://" in url or url.startswith("pipe:"):
-                raise ValueError(f"{url!r}: only local tar files are supported (random access); copy or mount it first")
+            if is_remote(url):
+                continue
+            if "://" in url:
+                raise ValueError(f"{url!r}: not a shard URL omni reads (http://, https://, s3://, gs://, pipe:CMD or "
+                                 "a local path)")
             if not os.path.isfile(url):
                 raise FileNotFoundError(f"shard {url!r} does not exist")
+        if any(is_remote(u) for u in urls) and remote is None:
+            remote = RemoteOptions()
         scanned: dict[int, ShardIndex] = {}
         if counts is None:
-            scanned = {sid: index_shard(u) for sid, u in enumerate(urls)}
+            # Bare shards: their headers give the counts. Remote ones are fetched for that (into the cache), once
+            # per run; a manifest (or counts=) spares it.
+            early = _Reader(_Config(urls=tuple(urls), counts=(0,) * len(urls), decode=decode, collate=collate,
+                                    batch_size=1, rank=0, world_size=1, seed=0, shuffle=False, shuffle_window=1,
+                                    drop_last=False, fields=(), remote=remote))
+            scanned = {sid: index_shard(early.path(sid)) for sid in range(len(urls))}
             counts = [len(scanned[sid]) for sid in range(len(urls))]
         if len(counts) != len(urls):
             raise ValueError(f"{len(counts)} counts for {len(urls)} shards")
@@ -718,7 +790,7 @@ class ShardLoader:
             urls=tuple(urls), counts=tuple(int(c) for c in counts), decode=decode, collate=collate,
             batch_size=int(batch_size), rank=int(rank), world_size=int(world_size), seed=int(seed),
             shuffle=bool(shuffle), shuffle_window=int(shuffle_window), drop_last=bool(drop_last),
-            fields=tuple(f.lower() for f in fields), sha256=tuple(digests),
+            fields=tuple(f.lower() for f in fields), sha256=tuple(digests), sizes=tuple(sizes), remote=remote,
         )
         self.num_workers = num_workers
         self.max_corrupt_fraction = max_corrupt_fraction
@@ -822,6 +894,12 @@ class ShardLoader:
         needed = {}
         for slot in range(max(first, 0), min(last, len(self.cfg.urls) - 1) + 1):
             sid = int(plan.shard_order[slot])
+            if is_remote(self.cfg.urls[sid]):
+                # Fetching here would download the rank's whole epoch before the first batch (and past the
+                # cache's limit): workers fetch remote shards on demand, sharing the cache.
+                if sid in self._indexes:
+                    needed[sid] = self._indexes[sid]
+                continue
             needed[sid] = reader.index(sid)
         dataset = _EpochBatches(self.cfg, epoch, start, needed)
         loader = DataLoader(
@@ -842,6 +920,8 @@ class ShardLoader:
 
     def _iterate(self, generation: int, epoch: int, start: int) -> Iterator[Any]:
         for item in self._items(epoch, start):
+            if item.error is not None:
+                raise item.error
             if generation != self._generation:
                 raise RuntimeError("this ShardLoader was iterated again or repositioned; the older iterator is stale")
             if item.epoch != self.epoch or item.index != self.batches_done:

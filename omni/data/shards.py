@@ -35,6 +35,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
+from omni.data.errors import DatasetError  # defined there, re-exported here (its long-standing home)
 from omni.files import fsync_dir, sha256_file, write_json
 from omni.lock import DirectoryLock
 
@@ -53,8 +54,6 @@ KEY_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_-]*$")
 EXT_RE = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
 
 
-class DatasetError(RuntimeError):
-    """A dataset folder is missing, incomplete or does not match its manifest."""
 
 
 # What each builder's datasets hold (its manifest's "builder"): a reader says which kind it expects
@@ -76,25 +75,36 @@ def dataset_kind(manifest: Mapping[str, Any]) -> str | None:
 
 
 # -- reading -----------------------------------------------------------------------------------------
-def read_manifest(path: str | os.PathLike, *, kind: str | Sequence[str] | None = None) -> dict[str, Any]:
+def read_manifest(path: str | os.PathLike, *, kind: str | Sequence[str] | None = None,
+                  options: Any = None) -> dict[str, Any]:
     """The manifest of a dataset: ``path`` is the dataset folder or its manifest.json.
+
+    ``path`` may also be a URL (``https://host/ds``, ``s3://bucket/ds`` or either's ``.../manifest.json``: see
+    omni.data.remote), fetched with retries (``options``: a RemoteOptions), never cached.
 
     Raises DatasetError (naming the file) when it is missing, not JSON, not a manifest of a format version
     this code reads, when it names a shard outside its folder, or (``kind``: the kinds of ``DATASET_KINDS``
     the caller reads) when its builder writes another kind of data.
     """
-    path = Path(path)
-    file = path if path.is_file() or path.name == MANIFEST_NAME else path / MANIFEST_NAME
-    if not file.is_file():
-        where = file.parent
-        raise DatasetError(
-            f"{file} not found: {where} is not a complete omni dataset (build it with `omni data ...`; "
-            "an interrupted build leaves no manifest)"
-        )
-    try:
-        manifest = json.loads(file.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise DatasetError(f"{file} is not valid JSON: {exc}") from None
+    from omni.data.remote import is_remote, read_remote_manifest
+
+    file: Any
+    if is_remote(os.fspath(path)):
+        url, manifest = read_remote_manifest(os.fspath(path), options)
+        file = _Where(url)
+    else:
+        path = Path(path)
+        file = path if path.is_file() or path.name == MANIFEST_NAME else path / MANIFEST_NAME
+        if not file.is_file():
+            where = file.parent
+            raise DatasetError(
+                f"{file} not found: {where} is not a complete omni dataset (build it with `omni data ...`; "
+                "an interrupted build leaves no manifest)"
+            )
+        try:
+            manifest = json.loads(file.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise DatasetError(f"{file} is not valid JSON: {exc}") from None
     if not isinstance(manifest, dict) or not isinstance(manifest.get("splits"), dict):
         raise DatasetError(f"{file} is not an omni dataset manifest (no 'splits' mapping)")
     version = manifest.get("format_version")
@@ -115,6 +125,14 @@ def read_manifest(path: str | os.PathLike, *, kind: str | Sequence[str] | None =
                                f"{manifest['builder']}`), where {' or '.join(wanted)} are expected (`omni data "
                                f"{builders or '...'}` builds them)")
     return manifest
+
+
+class _Where(str):
+    """A manifest URL that prints as itself, with ``.parent`` (the dataset URL) like a Path (for messages)."""
+
+    @property
+    def parent(self) -> str:
+        return self.rsplit("/", 1)[0]
 
 
 def _check_shard_name(file: Path, split: str, name: Any) -> None:
