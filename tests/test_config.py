@@ -259,7 +259,8 @@ def test_check_trunk_refuses_what_does_not_make_a_trunk_in_one_line(monkeypatch)
 
     keys = schema({"trunk": "tiny", "trunk_overrides": {}, "positions": "rope"})
     for overrides, message in [
-        ({"d_model": 30}, "trunk 'tiny' with trunk_overrides {'d_model': 30}: d_model 30 is not divisible by n_heads 4"),
+        ({"d_model": 30}, "trunk 'tiny' with trunk_overrides {'d_model': 30}: d_model 30 is not divisible by "
+                          "n_heads 4"),
         ({"n_kv_heads": 3}, "n_heads 4 is not divisible by n_kv_heads 3"),
         ({"d_model": 8, "n_heads": 8}, "RoPE needs an even head_dim, got 1"),
         ({"positions": "none"}, "trunk_overrides.positions: this recipe sets the trunk's positions from its own "

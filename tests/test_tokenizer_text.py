@@ -356,8 +356,8 @@ def test_truncation_equals_full_encoding_then_cut() -> None:
     pieces where a cut can change pre-tokens (contractions, whitespace runs, digits, combining marks, emoji)."""
     full = TextTokenizer(max_length=10**9)
     rng = random.Random(29)
-    pieces = ["a", "bc", " ", " " * 50, "\n\n", "'", "'re", "'ll", "1234567", "é", "e\u0301", "😀", "中文", "\t", ".",
-              "!!", "x" * 40, "<|eos|>", "\r\n"]
+    pieces = ["a", "bc", " ", " " * 50, "\n\n", "'", "'re", "'ll", "1234567", "é", "e\u0301", "😀", "中文", "\t",
+              ".", "!!", "x" * 40, "<|eos|>", "\r\n"]
     for max_length in (2, 3, 5, 17, 64):
         short = TextTokenizer(max_length=max_length, truncation="truncate")
         short._tok = _Recorder(short.hf)

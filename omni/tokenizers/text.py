@@ -355,7 +355,8 @@ class TextTokenizer(Tokenizer):
             head.append(self.token_id(task))
         full = head + ids + ([self.eos_id] if self.add_eos and chars is None else [])
         if len(full) > self.max_length:
-            size = f"{len(full)} tokens" if chars is None else f"more than {self.max_length} tokens ({chars:,} characters)"
+            size = f"{len(full)} tokens" if chars is None else \
+                f"more than {self.max_length} tokens ({chars:,} characters)"
             if self.truncation == "error":
                 raise ValueError(
                     f"text sample {key!r} has {size}, more than max_length={self.max_length} "
