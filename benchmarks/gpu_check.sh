@@ -120,7 +120,8 @@ else
     device=$(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null | head -n 1)
     device=${device:-no nvidia-smi}
 fi
-torch_version=$($PY -c "import torch; print(torch.__version__)" 2>> "$log") || torch_version="not importable"
+torch_version=$($PY -c "import importlib.metadata as m; print(m.version('torch'))" 2>> "$log") \
+    || torch_version="not installed"
 meta=(--meta "date=$(date -u '+%Y-%m-%d %H:%M UTC')" --meta "device=$device" --meta "torch=$torch_version"
       --meta "command=$command" --meta "dry_run=$dry")
 echo "gpu_check: $device, torch $torch_version, dry run $dry, out $out" | tee -a "$log"
