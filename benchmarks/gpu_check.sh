@@ -8,13 +8,15 @@
 #
 # The device call (device tool `run`; see /work/.library/device/README.md), with the wheels carried along:
 #   run(command="bash benchmarks/gpu_check.sh", carry=[".whl"], timeout_s=540)
-# then copy the section it prints (also $OUT/results_section.md) into benchmarks/results.md.
+# then copy the section it prints (also $OUT/results_section.md) into benchmarks/results.md. With the machine's
+# start that is ~10 of the 15 device minutes: a second call reruns only what failed or timed out, e.g.
+#   run(command="bash benchmarks/gpu_check.sh --only whisper,interop --budget 200", carry=[".whl"], timeout_s=260)
 #
 # Parts, in order, with their time budgets on the GPU (seconds; each part runs under `timeout`, so one hang costs
 # only its own budget, and a part never gets more than what is left of --budget, default 470 s):
 #   cuda-tests   90  pytest: CUDA-graph train step (fp32, compiled bf16), graphed Whisper decoding (eager/compiled/
 #                    bf16, and with SuppressTokens / SuppressAtStart / TimestampRules)
-#   fsdp2        25  omni.train's FSDP2 on the one GPU (1 process: the FSDP2 wrapping, sharded state, bf16)
+#   fsdp2        25  omni.train under FSDP2 on the one GPU (rank 0 of 1: the wrapping, DTensor parameters, steps)
 #   cuda-checks  35  benchmarks/cuda_checks.py: packed Flex vs dense SDPA (fwd+grads, fp32/bf16), compiled model with
 #                    a BlockMask, KV cache, BlockMask build cost, packed Flex vs padded SDPA attention
 #   train-check  40  tests/_train_gpu_check.py: Trainer on packed batches (Flex), bf16, fused AdamW, exact resume,
@@ -46,7 +48,7 @@
 # part, check it against KINDS.md's package list and add its distribution to WHEELS.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-WHEELS="rapidfuzz"  # binary wheels: imported by omni (omni.evaluation); absent from the device image
+WHEELS="rapidfuzz"  # binary wheels: imported by omni (omni.speech, omni.evaluation); absent from the device image
 # pure-Python packages published as source only, built into wheels here: openai-whisper holds the Whisper
 # vocabulary files (omni.tokenizers.ranks.whisper_asset) that the converted Whisper-base (interop) reads
 BUILT_WHEELS="openai-whisper"
