@@ -34,7 +34,8 @@ sys.path.insert(0, str(ROOT))
 
 from omni.data.builders_speech import load_paragraphs, split_sentences_by_seed  # noqa: E402
 from omni.data.speech import ESPEAK_RATE, _engine, add_noise, extract_sentences, resample  # noqa: E402
-from omni.speech import load_recognizer, normalize_text, transcribe_waveforms  # noqa: E402
+from omni.pipelines.transcribe import load_recognizer, transcribe_waveforms  # noqa: E402
+from omni.speech import normalize_text  # noqa: E402
 import omni.timestamps as ts  # noqa: E402
 
 DATA, OUT = "data/speech-synth-ts", "runs/whisper-ts"

@@ -267,7 +267,7 @@ def _predict(args: argparse.Namespace) -> int:
 
 
 def _transcribe(args: argparse.Namespace) -> int:
-    from omni.speech import transcribe_files
+    from omni.pipelines.transcribe import transcribe_files
     from omni.files import output_paths, write_atomic
     from omni.transcript_formats import render, transcript_json
 
@@ -313,7 +313,7 @@ def _transcribe(args: argparse.Namespace) -> int:
                                    timing={"method": args.timestamps, "keep_alignment": bool(pictures)})
         if pictures:
             from omni.alignment_plot import write_alignment_png
-            from omni.speech import read_audio_file
+            from omni.pipelines.transcribe import read_audio_file
 
             from omni.export import load_tokenizers
 

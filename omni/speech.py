@@ -38,12 +38,10 @@ Design decisions (documented here because recipes/whisper.py and `omni transcrib
 
 from __future__ import annotations
 
-import functools
 import math
-import os
 import re
 import unicodedata
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Hashable, Iterator, Mapping, Sequence
 
 import torch
@@ -55,8 +53,7 @@ from omni.decoding import (GNMTRanker, GraphedGreedyDecoder, Ranker, SuppressAtS
                            WhisperRanker, beam_search, greedy_decode)
 from omni.heads import LMHead
 from omni.interfaces import Seq2SeqDecoder
-from omni.tokenizers.audio import AudioTokenizer, load_audio
-from omni.tokenizers.base import check_regular_file
+from omni.tokenizers.audio import AudioTokenizer
 from omni.tokenizers.text import IGNORE_INDEX, TextTokenizer
 from omni.trunk import KVCache, Trunk, TrunkConfig
 
@@ -474,172 +471,7 @@ def transcribe_batch(model: Seq2SeqDecoder, text_tok: TextTokenizer, audio: Tens
 
 
 # ----------------------------------------------------------------------------------------------------
-# Long audio
-
-
-def split_windows(wave: Tensor, sample_rate: int, window_seconds: float = 30.0, search_seconds: float = 5.0,
-                  frame_seconds: float = 0.02) -> list[tuple[int, int]]:
-    """[start, end) sample ranges covering ``wave`` (samples,), each at most ``window_seconds`` long.
-    A window longer than the limit is cut at the centre of its quietest ``frame_seconds`` frame (lowest
-    RMS, hop = half a frame) inside the last ``search_seconds`` before the limit: cuts land in pauses."""
-    n = int(wave.shape[0])
-    W = int(window_seconds * sample_rate)
-    if W < 1:
-        raise ValueError(f"window_seconds={window_seconds} is below one sample")
-    frame = max(1, int(frame_seconds * sample_rate))
-    hop = max(1, frame // 2)
-    search = min(int(search_seconds * sample_rate), W - frame)
-    windows, start = [], 0
-    while n - start > W:
-        lo = start + W - max(search, 0) - frame // 2
-        region = wave[max(lo - frame // 2, start):start + W].float()
-        if region.shape[0] >= frame:
-            rms = region.unfold(0, frame, hop).pow(2).mean(1)
-            # the latest among equally quiet frames: longer windows, fewer of them
-            best = int(rms.shape[0] - 1 - torch.argmin(rms.flip(0)))
-            cut = max(lo - frame // 2, start) + best * hop + frame // 2
-        else:
-            cut = start + W
-        cut = min(max(cut, start + 1), start + W)
-        windows.append((start, cut))
-        start = cut
-    windows.append((start, n))
-    return windows
-
-
-# ----------------------------------------------------------------------------------------------------
-# Inference on files (omni transcribe)
-
-
-def read_audio_file(path: str | os.PathLike, sample_rate: int = 16000) -> Tensor:
-    """Mono float waveform at ``sample_rate`` of any file libsndfile reads (WAV, FLAC, MP3, OGG ...), any
-    rate and channel count. Raises FileNotFoundError / ValueError naming the file for a missing, empty
-    (0 bytes or 0 samples), undecodable or silent (peak below -80 dBFS) file, and for a path that is not a
-    regular file (a directory, FIFO, device or socket: refused before opening, which could block)."""
-    name = os.fspath(path)
-    if check_regular_file(path, "audio file").st_size == 0:
-        raise ValueError(f"{name}: the file is empty (0 bytes)")
-    try:
-        wave = load_audio(name, sample_rate=sample_rate, key=name)
-    except (ValueError, TypeError) as exc:
-        msg = str(exc).removeprefix(f"audio sample {name!r}: ")  # the file is named once, first
-        if "audio is empty" in msg:
-            raise ValueError(f"{name}: the audio has no samples") from exc
-        raise ValueError(f"{name}: cannot decode as audio ({msg})") from exc
-    peak = float(wave.abs().max())
-    if peak < SILENCE_PEAK:
-        raise ValueError(f"{name}: the audio is silent (peak amplitude {peak:.2e} < {SILENCE_PEAK:g}); nothing to transcribe")
-    return wave
-
-
-@torch.no_grad()
-def transcribe_waveforms(model: Seq2SeqDecoder, audio_tok: AudioTokenizer, text_tok: TextTokenizer,
-                         waves: Sequence[Tensor], *, keys: Sequence[str] | None = None, batch_size: int = 16,
-                         beam_size: int = 1, length_penalty: float | Ranker | None = None, window_seconds: float | None = None,
-                         **guards: Any) -> list[str]:
-    """Mono waveforms at ``audio_tok.sample_rate`` (any length) -> transcripts. Long clips are split by
-    ``split_windows`` (window = the tokenizer's max_seconds, 30 s); all windows of all clips are sorted by
-    length and decoded in batches of ``batch_size``; a clip's window texts are joined with one space."""
-    keys = list(keys) if keys is not None else [str(i) for i in range(len(waves))]
-    window = window_seconds or audio_tok.max_seconds or 30.0
-    clips, windows, names = [], [], []
-    for c, (wave, key) in enumerate(zip(waves, keys)):
-        for a, b in split_windows(wave, audio_tok.sample_rate, window):
-            clips.append(c)
-            windows.append(wave[a:b])
-            names.append(f"{key}[{a}:{b}]")
-    ids = decode_windows(model, audio_tok, windows, keys=names, batch_size=batch_size, beam_size=beam_size,
-                         length_penalty=length_penalty, **guards)
-    parts: list[list[str]] = [[] for _ in waves]
-    for c, row in zip(clips, ids):
-        parts[c].append(text_tok.decode(row).strip())
-    return [" ".join(p for p in clip if p) for clip in parts]
-
-
-@torch.no_grad()
-def decode_windows(model: Seq2SeqDecoder, audio_tok: AudioTokenizer, windows: Sequence[Tensor], *,
-                   keys: Sequence[str] | None = None, batch_size: int = 16, beam_size: int = 1,
-                   length_penalty: float | Ranker | None = None, **guards: Any) -> list[list[int]]:
-    """Waveforms of at most the tokenizer's max_seconds -> the generated ids of each (``decode_batch``), decoded
-    in batches of ``batch_size`` sorted by length."""
-    keys = list(keys) if keys is not None else [str(i) for i in range(len(windows))]
-    tokens = [audio_tok.encode((w, audio_tok.sample_rate), key=k).tokens for w, k in zip(windows, keys)]
-    order = sorted(range(len(tokens)), key=lambda i: tokens[i].shape[0])
-    out: list[list[int]] = [[] for _ in windows]
-    dev = next(model.parameters()).device
-    for lo in range(0, len(order), batch_size):
-        chunk = order[lo:lo + batch_size]
-        # Whisper's front-end makes every window 1,500 tokens: rounding up to 8 would add 4 masked tokens a row
-        audio, mask = pad_audio([tokens[i] for i in chunk], 1 if audio_tok.frontend == "whisper" else 8)
-        rows = decode_batch(model, audio.to(dev), mask.to(dev), beam_size=beam_size, length_penalty=length_penalty,
-                            **guards)
-        for i, row in zip(chunk, rows):
-            out[i] = row
-    return out
-
-
-@torch.no_grad()
-def transcribe_timestamp_tokens(model: SpeechRecognizer, audio_tok: AudioTokenizer, text_tok: TextTokenizer,
-                                waves: Sequence[Tensor], *, keys: Sequence[str] | None = None, batch_size: int = 16,
-                                beam_size: int = 1, length_penalty: float | Ranker | None = None, window_seconds: float | None = None,
-                                words: bool = True, keep_alignment: bool = False, **guards: Any) -> list[Any]:
-    """Whisper's segments: every file cut by ``split_windows`` (as ``transcribe_waveforms``), each window decoded
-    in timestamp mode (``SpeechRecognizer.timestamp_mode``), its tokens turned into segments with absolute times
-    (``timestamp_segments``) -> one ``omni.timestamps.TimedTranscript`` (method "tokens") per file. With
-    ``words``, word times inside a segment come from cross-attention (``omni.timestamps.time_windows``,
-    "attention": the text teacher-forced after the <|notimestamps|> prompt, as whisper's word timestamps do),
-    clamped to their segment."""
-    from omni.timestamps import TimedSegment, TimedTranscript, time_windows, token_char_ends, transcript_words
-
-    mode = model.timestamp_mode()
-    keys = list(keys) if keys is not None else [str(i) for i in range(len(waves))]
-    window = window_seconds or audio_tok.max_seconds or 30.0
-    sr = audio_tok.sample_rate
-    cut: list[tuple[int, Tensor, float]] = []  # (file, window waveform, offset seconds)
-    for c, wave in enumerate(waves):
-        cut.extend((c, wave[a:b], a / sr) for a, b in split_windows(wave, sr, window))
-    ids = decode_windows(mode, audio_tok, [w for _, w, _ in cut], keys=[f"{keys[c]}@{o:.2f}s" for c, _, o in cut],
-                         batch_size=batch_size, beam_size=beam_size, length_penalty=length_penalty, **guards)
-    pieces = [timestamp_segments(row, mode.timestamp_begin, offset=o, duration=w.shape[0] / sr)
-              for row, (_, w, o) in zip(ids, cut)]
-    texts = [text_tok.decode([i for _, _, body in p for i in body]) for p in pieces]
-    timed = (time_windows(model, audio_tok, text_tok, [w for _, w, _ in cut], texts, [o for _, _, o in cut],
-                          method="attention", batch_size=batch_size, keep_alignment=keep_alignment)
-             if words else [([], None)] * len(cut))
-    per_file: list[list[TimedSegment]] = [[] for _ in waves]
-    for (c, _, _), p, text, (timings, _) in zip(cut, pieces, texts, timed):
-        ends = token_char_ends(text_tok, [i for _, _, b in p for i in b])
-        starts = [a for _, a, _ in transcript_words(text)]
-        if len(starts) != len(timings):  # words timed from another reading of the text: none rather than wrong
-            starts, timings = [], []
-        n = 0
-        for start, end, b in p:
-            lo, n = (ends[n - 1] if n else 0), n + len(b)
-            # a word belongs to the segment its first character is in, and is kept inside it
-            inside = tuple(replace(w, start=min(max(w.start, start), end), end=min(max(w.end, start), end))
-                           for w, a in zip(timings, starts) if lo <= a < ends[n - 1])
-            if text_tok.decode(b).strip():
-                per_file[c].append(TimedSegment(start, end, text_tok.decode(b).strip(), inside))
-    return [TimedTranscript(" ".join(t.strip() for (cc, _, _), t in zip(cut, texts) if cc == c and t.strip()),
-                            per_file[c], "tokens", wave.shape[0] / sr,
-                            [a for (cc, _, _), (_, a) in zip(cut, timed) if cc == c and a is not None])
-            for c, wave in enumerate(waves)]
-
-
-def load_recognizer(checkpoint: str | os.PathLike, device: str | torch.device | None = None
-                    ) -> tuple[SpeechRecognizer, AudioTokenizer, TextTokenizer]:
-    """The exported model (recipes/whisper.py writes runs/whisper/final) and its tokenizers. A converted Whisper's
-    alignment heads (config "alignment_heads", [layer, head] pairs) become ``model.alignment_heads``: the
-    cross-attention heads ``omni.timestamps`` times words with (None: its default heads)."""
-    from omni.export import load_config, load_pretrained, load_tokenizers
-
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    model = load_pretrained(checkpoint, device=device)
-    toks = load_tokenizers(checkpoint)
-    if not isinstance(model, SpeechRecognizer) or "audio" not in toks or "text" not in toks:
-        raise ValueError(f"{checkpoint}: not a speech recognition export (see recipes/whisper.py)")
-    model.alignment_heads = load_config(checkpoint).get("alignment_heads")
-    return model, toks["audio"], toks["text"]
+# Exports
 
 
 def speech_task(config: dict[str, Any]) -> str | None:
@@ -655,74 +487,6 @@ def speech_task(config: dict[str, Any]) -> str | None:
         raise ValueError(f"the export has transcribe tasks {', '.join(names)} and none is named 'asr': "
                          "which one to decode is not recorded")
     return names[0] if len(names) == 1 else "asr" if names else None
-
-
-def _recognizer(checkpoint: str | os.PathLike, device: str | torch.device | None
-                ) -> tuple[Seq2SeqDecoder, AudioTokenizer, TextTokenizer]:
-    """``load_recognizer``, or for a multitask export (recipes/multimodal.py) its transcribe task as a prefix-LM
-    decoder (``omni.multitask.PrefixLMTranscriber``) that ``transcribe_waveforms`` drives."""
-    from omni.export import load_config, load_pretrained, load_tokenizers
-
-    config = load_config(checkpoint)
-    if config.get("builder") != "omni":
-        return load_recognizer(checkpoint, device)
-    task = speech_task(config)
-    if task is None:
-        raise ValueError(f"{checkpoint}: the multitask export has no speech recognition (transcribe) task")
-    from omni.multitask import PrefixLMTranscriber
-
-    model = load_pretrained(checkpoint, device=device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    toks = load_tokenizers(checkpoint)
-    return PrefixLMTranscriber(model, task, toks["audio"], toks["text"], TASK), toks["audio"], toks["text"]
-
-
-def transcribe_files(checkpoint: str | os.PathLike, files: Sequence[str | os.PathLike], *, beam_size: int = 1,
-                     length_penalty: float | None = None, batch_size: int = 16, device: str | None = None,
-                     max_new_tokens: int = 224, return_exceptions: bool = False, timestamps: bool = False,
-                     timing: dict[str, Any] | None = None) -> list[Any]:
-    """Transcribe audio files (WAV, FLAC, MP3, OGG ...; any rate, channels, length) with a speech recognition
-    export (recipes/whisper.py) or the transcribe task of a multitask export (recipes/multimodal.py).
-    Every file is read and checked first, so a bad file fails before any decoding, naming the file; with
-    ``return_exceptions`` its exception takes its place in the result instead and the other files are
-    transcribed (the export's own errors raise either way). One text per file, or with ``timestamps`` one
-    ``omni.timestamps.TimedTranscript`` (word times; ``timing``: options of ``transcribe_timed``; its
-    ``method="tokens"``: a converted Whisper's segments from its own timestamp tokens,
-    ``transcribe_timestamp_tokens``, with ``keep_alignment`` its only other option)."""
-    for option, value in (("beam_size", beam_size), ("batch_size", batch_size), ("max_new_tokens", max_new_tokens)):
-        if value < 1:
-            raise ValueError(f"{option} must be >= 1, got {value}")
-    if length_penalty is not None and not math.isfinite(length_penalty):
-        raise ValueError(f"length_penalty must be a finite number, got {length_penalty}")
-    model, audio_tok, text_tok = _recognizer(checkpoint, device)
-    tokens = timestamps and (timing or {}).get("method") == "tokens"
-    if tokens and getattr(model, "timestamp_begin", None) is None:  # before any file is read
-        raise ValueError(f"{os.fspath(checkpoint)}: timestamps from tokens need a converted Whisper (its timestamp "
-                         "tokens <|0.00|> .. <|30.00|> and prompt); time this export with ctc or attention")
-    results: list[Any] = []
-    waves: dict[int, Tensor] = {}
-    for i, f in enumerate(files):
-        try:
-            waves[i] = read_audio_file(f, audio_tok.sample_rate)
-            results.append("")
-        except (OSError, ValueError) as exc:
-            if not return_exceptions:
-                raise
-            results.append(exc)
-    if waves:
-        run = transcribe_waveforms
-        if tokens:
-            run = functools.partial(transcribe_timestamp_tokens,
-                                    **{k: v for k, v in (timing or {}).items() if k == "keep_alignment"})
-        elif timestamps:
-            from omni.timestamps import transcribe_timed
-
-            run = functools.partial(transcribe_timed, **(timing or {}))
-        texts = run(model, audio_tok, text_tok, list(waves.values()), keys=[os.fspath(files[i]) for i in waves],
-                    batch_size=batch_size, beam_size=beam_size, length_penalty=length_penalty,
-                    max_new_tokens=max_new_tokens)
-        for i, text in zip(waves, texts):
-            results[i] = text
-    return results
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -777,8 +541,7 @@ def error_rates(references: Sequence[str], hypotheses: Sequence[str]) -> dict[st
 __all__ = [
     "CTC_BLANK", "GraphedGreedyDecoder", "SpeechBatch", "SpeechCollate", "SpeechLoss", "SpeechRecognizer",
     "beam_search", "build_speech_recognizer", "ctc_greedy_decode", "ctc_labels", "edit_distance", "error_counts",
-    "error_rates", "greedy_decode", "load_recognizer", "normalize_text", "pad_audio", "read_audio_file",
-    "speech_example", "speech_loss", "split_windows", "transcribe_batch", "transcribe_files", "transcribe_waveforms",
-    "MAX_INITIAL_TIMESTAMP", "TIMESTAMP_SECONDS", "TimestampMode", "decode_batch", "decode_windows",
-    "timestamp_segments", "transcribe_timestamp_tokens",
+    "error_rates", "greedy_decode", "normalize_text", "pad_audio", "speech_example", "speech_loss", "speech_task",
+    "transcribe_batch", "MAX_INITIAL_TIMESTAMP", "TIMESTAMP_SECONDS", "TimestampMode", "decode_batch",
+    "timestamp_segments",
 ]

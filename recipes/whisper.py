@@ -258,7 +258,9 @@ def from_init(cfg: dict) -> tuple[SpeechRecognizer, dict, dict]:
                          f"(it has {', '.join(tokenizers) or 'none'})")
     had = bool(config.get("ctc", False))
     ctc = had if cfg["ctc_weight"] is None else cfg["ctc_weight"] > 0
-    export = {k: v for k, v in config.items() if k not in ("omni_format", "tokenizers")} | {"ctc": ctc}
+    # "long_form": `omni transcribe` decodes the tuned model as the eval does (omni's windows, no timestamp tokens)
+    export = {k: v for k, v in config.items() if k not in ("omni_format", "tokenizers")} | {"ctc": ctc,
+                                                                                             "long_form": "pauses"}
     torch.manual_seed(cfg["seed"])
     model = get_builder(SPEECH_BUILDER)(export, tokenizers)
     # a CTC head the init lacks starts from the seed; one this run drops is left out
@@ -336,7 +338,7 @@ class Listen:
 
     def __call__(self, model, step: int) -> list:
         from omni.plots import Clip
-        from omni.speech import transcribe_waveforms
+        from omni.pipelines.transcribe import transcribe_waveforms
         from omni.tasks.transcribe import transcript_note
         from omni.tokenizers.audio import load_audio
 

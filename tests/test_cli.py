@@ -214,7 +214,7 @@ def test_predict_json(vit, tmp_path, capsys):
 
 
 def test_transcribe_reports_good_files_and_names_bad_ones(whisper, tmp_path, capsys):
-    from omni.speech import transcribe_files
+    from omni.pipelines.transcribe import transcribe_files
 
     good = [wav(tmp_path / "a.wav", noise(0.6, 1)), wav(tmp_path / "b.wav", noise(0.4, 2))]
     empty = tmp_path / "empty.wav"

@@ -20,7 +20,8 @@ from omni.cli import main as omni_main
 from omni.export import load_pretrained, save_pretrained
 from omni.interop import ConversionError, convert, read_model, to_peer
 from omni.interop.whisper import from_hf, from_openai, non_speech_tokens, to_hf, to_openai
-from omni.speech import GraphedGreedyDecoder, SpeechLoss, SpeechRecognizer, build_speech_recognizer, greedy_decode, transcribe_waveforms
+from omni.pipelines.transcribe import transcribe_waveforms
+from omni.speech import GraphedGreedyDecoder, SpeechLoss, SpeechRecognizer, build_speech_recognizer, greedy_decode
 from omni.tokenizers.audio import AudioTokenizer
 
 whisper = pytest.importorskip("whisper")

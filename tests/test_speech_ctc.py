@@ -8,8 +8,9 @@ import torch
 import torch.nn.functional as F
 
 from omni.export import save_pretrained
+from omni.pipelines.transcribe import load_recognizer
 from omni.speech import (CTC_BLANK, SpeechCollate, SpeechLoss, SpeechRecognizer, ctc_greedy_decode, ctc_labels,
-                         load_recognizer, speech_example)
+                         speech_example)
 from omni.tokenizers.audio import AudioTokenizer
 from omni.tokenizers.text import IGNORE_INDEX, TextTokenizer
 from omni.trunk import preset

@@ -17,11 +17,11 @@ import torch
 
 from omni.cli import main
 from omni.export import save_pretrained
-from omni.speech import CTC_BLANK, SpeechRecognizer, split_windows
+from omni.pipelines.transcribe import split_windows, time_windows, transcribe_timed
+from omni.speech import CTC_BLANK, SpeechRecognizer
 from omni.timestamps import (TimedSegment, TimedTranscript, WordTiming, _viterbi, attention_alignment,
                              attention_word_timings, ctc_align, ctc_word_timings, dtw_path, refine_with_energy,
-                             row_spans, segment_words, text_ids, time_windows, token_char_ends, transcribe_timed,
-                             transcript_words)
+                             row_spans, segment_words, text_ids, token_char_ends, transcript_words)
 from omni.tokenizers.audio import AudioTokenizer
 from omni.tokenizers.text import TextTokenizer
 from omni.files import output_paths, write_atomic

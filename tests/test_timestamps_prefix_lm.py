@@ -15,7 +15,8 @@ import torch
 from omni.cli import main
 from omni.export import save_pretrained
 from omni.multitask import MultitaskModel, PrefixLMTranscriber, TranscribeTask, merge_tokenizers
-from omni.timestamps import attention_word_timings, prefix_lm_attention, text_ids, time_windows, timing_method
+from omni.pipelines.transcribe import prefix_lm_attention, time_windows, timing_method
+from omni.timestamps import attention_word_timings, text_ids
 from omni.tokenizers.audio import AudioTokenizer
 from omni.tokenizers.text import TextTokenizer
 from omni.trunk import preset
@@ -172,7 +173,7 @@ def test_transcribe_srt_json_and_alignment_on_a_multitask_export(export, toks, t
 
     # the library path: the same words as the CLI's, and the window's offset moves them exactly
     audio, text = toks
-    from omni.speech import _recognizer
+    from omni.pipelines.transcribe import recognizer as _recognizer
 
     model, _, _ = _recognizer(export, "cpu")
     wave = tone(1.2)

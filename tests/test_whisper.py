@@ -11,9 +11,9 @@ import soundfile as sf
 import torch
 
 from omni.export import save_pretrained
-from omni.speech import (SpeechCollate, beam_search, edit_distance, error_rates, read_audio_file,
-                         greedy_decode, normalize_text, pad_audio, speech_example, speech_loss, split_windows,
-                         transcribe_batch, transcribe_files, transcribe_waveforms)
+from omni.pipelines.transcribe import read_audio_file, split_windows, transcribe_files, transcribe_waveforms
+from omni.speech import (SpeechCollate, beam_search, edit_distance, error_rates, greedy_decode, normalize_text,
+                         pad_audio, speech_example, speech_loss, transcribe_batch)
 from _speech_models import one_token_model, tiny_model
 from omni.tokenizers.audio import AudioTokenizer
 from omni.tokenizers.text import TextTokenizer

@@ -14,7 +14,8 @@ import torch.nn.functional as F
 
 from omni.data.builders_speech import build_librispeech
 from omni.export import load_pretrained, save_pretrained
-from omni.speech import SpeechRecognizer, error_rates, load_recognizer, transcribe_files
+from omni.pipelines.transcribe import load_recognizer, transcribe_files
+from omni.speech import SpeechRecognizer, error_rates
 from omni.tokenizers.audio import AudioTokenizer
 from omni.tokenizers.text import IGNORE_INDEX
 from omni.trunk import preset
