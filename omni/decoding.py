@@ -342,7 +342,13 @@ class ScoredGreedy(Greedy):
 
     def update(self, logits: Tensor, t: Tensor) -> None:
         if self.temperature > 0:
-            choice = torch.distributions.Categorical(logits=logits / self.temperature).sample()
+            scaled = logits / self.temperature
+            # a tiny temperature overflows logits / T (+-inf, nan): softmax((l - max l) / T) is the same
+            # distribution, its max 0 and tending to the argmax as T -> 0; whisper's own draw wherever it is finite
+            below = logits - logits.amax(-1, keepdim=True)
+            shifted = torch.where(below == 0, 0.0, below / self.temperature)  # (0 / a T that rounds to 0: nan)
+            overflow = ~scaled.amax(-1, keepdim=True).isfinite()  # amax propagates nan
+            choice = torch.distributions.Categorical(logits=torch.where(overflow, shifted, scaled)).sample()
         else:
             choice = logits.argmax(-1)
         logp = logits.float().log_softmax(-1).gather(1, choice[:, None])[:, 0]

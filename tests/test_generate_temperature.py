@@ -1,6 +1,6 @@
 """Sampling at a tiny temperature is greedy, not an empty completion: ``omni generate --temperature 1e-39``
 returned "" with exit 0 (logits / 1e-39 overflowed to +-inf and nan, and the argmax fell on eos). Non-finite
-temperatures are refused in one line."""
+temperatures are refused in one line. Whisper-style sampling (omni.decoding.ScoredGreedy) likewise."""
 
 from __future__ import annotations
 
@@ -75,3 +75,24 @@ def test_sampler_forms_agree_and_stay_finite():
     for temperature in TINY:
         out = Sampler(temperature, seed=0)(LOGITS, None, None)
         assert not out.isnan().any() and out.argmax(-1).tolist() == [1, 1, 2]
+
+
+@pytest.mark.parametrize("temperature", TINY)
+def test_whisper_style_sampling_at_a_tiny_temperature_is_the_argmax(temperature):
+    """omni.decoding.ScoredGreedy (openai-whisper's GreedyDecoder: Categorical(logits / T)) raised on the nan
+    logits / T of a tiny T; now it takes the argmax, with the same summed log-probabilities as greedy."""
+    from omni.decoding import ScoredGreedy
+
+    def first_tokens(t: float, seed: int = 0) -> ScoredGreedy:
+        torch.manual_seed(seed)
+        strategy = ScoredGreedy(3, 4, eos_id=3, pad_id=3, device=torch.device("cpu"), temperature=t)
+        strategy.start(torch.full((3,), 4))
+        strategy.update(LOGITS, torch.tensor(0))
+        return strategy
+
+    greedy, tiny = first_tokens(0.0), first_tokens(temperature)
+    assert tiny.out[:, 0].tolist() == greedy.out[:, 0].tolist() == [1, 1, 2]
+    assert torch.equal(tiny.logprob, greedy.logprob) and tiny.logprob.isfinite().all()
+    torch.manual_seed(5)  # a finite temperature draws exactly as openai-whisper does
+    expected = torch.distributions.Categorical(logits=LOGITS / 0.7).sample().tolist()
+    assert first_tokens(0.7, seed=5).out[:, 0].tolist() == expected
