@@ -1,4 +1,4 @@
-"""Whisper-style speech recognition on the shared trunk: model, batching, decoding, metrics, inference.
+"""Whisper-style speech recognition on the shared trunk: model, batching, batch decoding, loss, metrics.
 
     audio --AudioTokenizer--> (S, n_mels*5) log-mel windows --AudioEmbedder--> encoder Trunk (bidirectional)
                                                                                   |  memory (B, S, d)
@@ -23,15 +23,11 @@ Design decisions (documented here because recipes/whisper.py and `omni transcrib
   benchmarks/whisper_throughput.py times it).
 * A converted Whisper also decodes with its timestamp tokens (``SpeechRecognizer.timestamp_mode()``: the prompt
   without <|notimestamps|> and Whisper's timestamp rules, ``omni.decoding.TimestampRules``); its tokens become
-  segments with absolute times (``timestamp_segments``, ``transcribe_timestamp_tokens``: ``omni transcribe
-  --timestamps tokens``). The export's own prompt and rules, and so the default decoding, are unchanged.
-* Long audio (longer than the tokenizer's ``max_seconds``, 30 s) is cut by ``split_windows`` at the
-  quietest 20 ms frame of the last ``search_seconds`` of each window, so cuts fall in pauses, not in
-  words; the windows are decoded as independent batch rows and their texts joined with one space. Each window is
-  normalised and padded alone, so for a converted Whisper this equals ``whisper.decode`` per window, NOT
-  ``whisper.transcribe`` (which normalises the whole file, pads the log-mel with 0.0, seeks by the last timestamp
-  token, falls back to higher temperatures and conditions on the previous text): that loop is
-  ``omni.pipelines.transcribe.transcribe_whisper``.
+  segments with absolute times (``timestamp_segments``). The export's own prompt and rules, and so the default
+  decoding, are unchanged. Beam search ranks as the model says (``SpeechRecognizer.ranker``): a converted
+  Whisper as whisper.decode (``omni.decoding.WhisperRanker``: score / length), omni's models by GNMT's penalty.
+* Long audio, files and exports are the application layer's (``omni.pipelines.transcribe``: omni's pause windows,
+  or ``whisper.transcribe``'s seek loop for a converted Whisper); this module decodes batches of windows.
 * WER / CER (``error_rates``) compare texts normalised by ``normalize_text`` (rule in its docstring),
   as corpus totals: sum of edit distances / sum of reference lengths.
 """

@@ -137,3 +137,56 @@ def test_transcribe_equals_whisper_transcribe(plain, seconds, temperature, condi
     assert len(theirs) >= 2  # more than one window or segment: the seek rules decided
     if isinstance(temperature, tuple):
         assert any(s[3] > 0 for s in theirs)  # the fallback sampled
+
+
+@pytest.mark.parametrize("seconds", [75.0])
+def test_cli_transcribe_equals_whisper_transcribe(plain, seconds, tmp_path, capsys):
+    """`omni transcribe` of a converted Whisper export: whisper.transcribe's text with its defaults (temperature
+    fallback 0.0 .. 1.0, conditioning on the previous text), three windows of a file whose first half is quiet;
+    --max-new-tokens is whisper's sample_len. A fine-tuned export (config long_form "pauses") keeps omni's windows."""
+    import json
+
+    import soundfile as sf
+
+    from omni.cli import main as omni_main
+    from omni.interop import write_export
+
+    peer, model, text_tok = plain
+    clip = wave(seconds, 4)
+    clip[:clip.shape[0] // 2] *= 0.01
+    sf.write(tmp_path / "a.wav", clip.numpy(), 16000, subtype="FLOAT")  # the samples exactly
+    config, sd, toks = from_openai(peer.state_dict(), SMALL)
+    export = write_export((config, sd, toks), tmp_path / "export")
+    capsys.readouterr()
+    args = ["transcribe", "--checkpoint", str(export), "--device", "cpu", "--format", "json", "--max-new-tokens",
+            str(LONG_LEN), str(tmp_path / "a.wav")]
+    assert omni_main(args) == 0
+    got = json.loads(capsys.readouterr().out)[0]["text"]
+    torch.manual_seed(0)  # what WhisperSeek's default seed gives every file
+    with torch.no_grad():
+        expected = whisper.transcribe(peer, clip, language="en", fp16=False, sample_len=LONG_LEN, verbose=None)
+    with capsys.disabled():
+        print(f"\n{seconds:g} s through the CLI: {len(expected['segments'])} segments, seeks "
+              f"{sorted({s['seek'] for s in expected['segments']})}, temperatures "
+              f"{sorted({s['temperature'] for s in expected['segments']})}")
+    assert got == expected["text"].strip()
+    assert len({s["seek"] for s in expected["segments"]}) >= 3  # three windows or more
+    # the same weights recorded as fine-tuned by recipes/whisper.py: omni's pause windows, whisper.decode per window
+    tuned = write_export(({**config, "long_form": "pauses"}, sd, toks), tmp_path / "tuned")
+    assert omni_main(args[:2] + [str(tuned)] + args[3:]) == 0
+    assert json.loads(capsys.readouterr().out)[0]["text"] != got
+
+
+def test_bad_long_form_is_one_line(plain, tmp_path, capsys):
+    import soundfile as sf
+
+    from _interop import cli_error
+    from omni.interop import write_export
+
+    peer, _, _ = plain
+    config, sd, toks = from_openai(peer.state_dict(), SMALL)
+    export = write_export(({**config, "long_form": "sliding"}, sd, toks), tmp_path / "export")
+    sf.write(tmp_path / "a.wav", wave(2.0, 1).numpy(), 16000)
+    err = cli_error(["transcribe", "--checkpoint", str(export), "--device", "cpu", str(tmp_path / "a.wav")], capsys,
+                    prog=None)
+    assert "long_form is 'sliding'; expected 'whisper' or 'pauses'" in err, err
