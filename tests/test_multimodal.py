@@ -774,3 +774,41 @@ def test_an_image_patch_that_does_not_divide_28_is_one_line(cache, capsys):
     assert stop.value.code == 2 and "tasks.image.patch 5 must divide the 28-pixel Fashion-MNIST images" in err
     assert recipe.parse_args(["--preset", "tiny", "--set", *data_sets(cache), "tasks.image.patch=14"])[
         "tasks"]["image"]["patch"] == 14
+
+
+def test_evaluations_score_the_same_held_out_batches_after_a_resume(cache, tmp_path):
+    """The held-out MixtureLoader draws each epoch's batches anew: every evaluation now reads its first epoch
+    (omni.evaluation.held_position), so a run stopped at step 2 and resumed logs the eval losses of an
+    uninterrupted run. Before, the straight run's evaluation k scored epoch k - 1 while the resumed run started
+    over at epoch 0: its last two evaluations differed."""
+    import signal
+
+    from omni.evaluation import read_history
+    from omni.train import Trainer, TrainingInterrupted
+
+    recipe = load_recipe()
+
+    def run(out):
+        return recipe.main(tiny_args(cache, out, "only='image'", "steps=4", "eval_every=1", "eval_batches=1",
+                                     "eval_tasks=False", "log_every=1", "report_to='none'"))
+
+    def evaluations(out):
+        return [(r["step"], r["eval/loss"]) for r in read_history(out / "history.jsonl") if "eval/loss" in r]
+
+    run(tmp_path / "straight")
+    straight = evaluations(tmp_path / "straight")
+    assert [s for s, _ in straight] == [1, 2, 3, 4]
+    real_step = Trainer._train_step
+
+    def stop_at_2(self):  # a Ctrl-C during step 2: it finishes, checkpoints and stops
+        record = real_step(self)
+        if self.step + 1 == 2:
+            os.kill(os.getpid(), signal.SIGINT)
+        return record
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(Trainer, "_train_step", stop_at_2)
+        with pytest.raises(TrainingInterrupted):
+            run(tmp_path / "resumed")
+    run(tmp_path / "resumed")
+    assert evaluations(tmp_path / "resumed") == straight
