@@ -400,10 +400,7 @@ class Checkpointer:
             return None, 0, changed
         ckpt = Path(chosen)
         meta = json.loads((ckpt / TRAINER_STATE).read_text())
-        if meta["world_size"] != acc.num_processes:
-            raise ValueError(f"{ckpt} was written by {meta['world_size']} processes; resume it with "
-                             f"{meta['world_size']} (now {acc.num_processes}): per-rank data positions and RNG "
-                             f"streams do not map onto another number of ranks")
+        self._check_world_size(ckpt, meta)
         data_state = json.loads((ckpt / f"data_state_rank{acc.process_index}.json").read_text())
         self.data.start(data_state["epoch"], data_state["position"], data_state["loader"], data_state["rng"])
         try:
@@ -412,6 +409,13 @@ class Checkpointer:
             exc.add_note(f"omni.train: while restoring the checkpoint {ckpt}")
             raise
         return ckpt, int(meta["step"]), changed
+
+    def _check_world_size(self, ckpt: Path, meta: Mapping[str, Any]) -> None:
+        n = self.accelerator.num_processes
+        if meta.get("world_size", n) != n:
+            raise ValueError(f"{ckpt} was written by {meta['world_size']} processes; resume it with "
+                             f"{meta['world_size']} (now {n}): per-rank data positions and RNG "
+                             f"streams do not map onto another number of ranks")
 
     def _choose(self) -> tuple[str | None, bool]:
         """Main process: the checkpoint to resume (None: start fresh) and whether its config differs."""
@@ -429,6 +433,9 @@ class Checkpointer:
             except IntegrityError as exc:
                 corrupt.append((ckpt, str(exc)))
                 continue
+            # the process count first: a recipe derives steps and warmup from batches per rank, so on another
+            # count the config comparison below would blame those entries instead of the real cause
+            self._check_world_size(ckpt, meta)
             changed = self._compare_config(ckpt, meta)
             self._check_shapes(ckpt, shapes)
             self._compare_datasets(ckpt, meta)

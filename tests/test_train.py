@@ -672,3 +672,19 @@ def test_no_terminal_logs_plain_lines_instead_of_a_bar(tmp_path, capsys, monkeyp
     monkeypatch.setattr(sys, "stderr", Terminal())
     fit(tmp_path / "tty")
     assert "\r" in sys.stderr.getvalue() and not any(ln.startswith("step ") for ln in capsys.readouterr().out.splitlines())
+
+
+def test_resume_on_another_process_count_names_the_process_count_not_the_config(tmp_path):
+    """A run written by 2 processes resumed by 1: the recipes derive steps / warmup from batches per rank, so
+    the config differs too; the message must name the real cause (the process count), not those entries."""
+    from omni.export import write_checksums
+
+    W.run_mlp(tmp_path, steps=4, checkpoint_every=2, report_to="none")
+    ckpt = tmp_path / "checkpoints" / "step-000004"
+    state = json.loads((ckpt / "trainer_state.json").read_text())
+    state["world_size"] = 2
+    (ckpt / "trainer_state.json").write_text(json.dumps(state))
+    write_checksums(ckpt)  # as a real 2-process run would have written it
+    with pytest.raises(ValueError, match=r"written by 2 processes; resume it with 2 \(now 1\)") as err:
+        W.run_mlp(tmp_path, steps=6, checkpoint_every=2, report_to="none")
+    assert not isinstance(err.value, ResumeMismatchError) and "train.steps" not in str(err.value)
