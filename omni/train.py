@@ -40,7 +40,11 @@ traps it avoids (the project's research notes on Accelerate/webdataset pitfalls,
   Keys in ``RESUME_IGNORED`` may differ (none changes what a step computes). A corrupt checkpoint is set
   aside and the previous one used (``IntegrityError`` if none is intact); a checkpoint whose tensors do not
   fit the model is refused. A run that already finished is reported, not trained or exported again;
-  ``fit`` returns the metrics it recorded.
+  ``fit`` returns the metrics it recorded. Results (``train_results.json``) and ``curves.png`` are written
+  before the export, which marks a run finished; one finished without them (killed in between, by an omni
+  that wrote them after) is evaluated again from its final checkpoint and they are written.
+* Evaluation scores the whole eval set every time, whatever a hook read of it (``omni.evaluation``), so a
+  resumed run logs the eval metrics of an uninterrupted one.
 * Exact resume. Model, optimizer, scheduler, RNG (python, numpy, torch, CUDA, per rank) and the data
   position are restored; training N steps, stopping and resuming to 2N gives the same parameters as
   2N steps straight (bitwise on CPU; on CUDA up to non-deterministic kernels, ~1e-9 in our check).
