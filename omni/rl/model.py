@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 import numpy as np
@@ -10,6 +9,7 @@ import torch
 from torch import Tensor, nn
 
 from omni.heads import ActionHead, masked_action_loss
+from omni.model import CarriedTensors  # a converted checkpoint's unread tensors (HF DT's GPT-2 tables, predictors)
 from omni.tokenizers.trajectory import TrajectoryTokenizer
 from omni.trunk import KVCache, Trunk, TrunkConfig
 
@@ -27,21 +27,6 @@ def rescale_actions(out: Tensor, center: Tensor, scale: Tensor) -> Tensor:
     """The continuous action head's output (..., A), [-1, 1] for the tanh head -> actions in the bounds
     ``action_bounds`` describes (center + scale * out)."""
     return center + scale * out
-
-
-class CarriedTensors(nn.Module):
-    """Tensors of a converted checkpoint that the model never reads, held as buffers so that the model hands
-    the checkpoint back whole (a Hugging Face Decision Transformer's GPT-2 token / position tables and state /
-    return predictors: omni.interop.hf_decision_transformer). Named by their source names, '.' written '/'."""
-
-    def __init__(self, shapes: Mapping[str, Sequence[int]]) -> None:
-        super().__init__()
-        for name, shape in shapes.items():
-            self.register_buffer(name.replace(".", "/"), torch.zeros(tuple(shape)))
-
-    def tensors(self) -> dict[str, Tensor]:
-        """{source name: tensor}."""
-        return {name.replace("/", "."): t for name, t in self.named_buffers()}
 
 
 class DecisionTransformer(nn.Module):
