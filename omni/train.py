@@ -646,7 +646,7 @@ class Trainer:
                 prefix = f"{prefix}." if prefix else ""
                 full = {k[len(prefix):]: v for k, v in full.items() if k.startswith(prefix)}
             _export.save_pretrained(module, directory, self.export_config, tokenizers=self.export_tokenizers,
-                                    state_dict=full)
+                                    state_dict=full, rescue=True)  # a full disk must not lose the trained model
         acc.wait_for_everyone()
         return directory
 
