@@ -184,7 +184,8 @@ def generate_ids(lm: CausalLM, prompts: Sequence[Sequence[int]], *, max_new_toke
         raise ValueError(f"temperature {temperature}: 0 is greedy (no top_k or seed), a finite number > 0 samples")
     longest = max(len(p) for p in prompts)
     options = DecodingOptions(max_new_tokens, tokens_per_second=None, max_repeats=None, min_new_tokens=min_new_tokens)
-    if lm.max_positions is not None and longest + max_new_tokens > lm.max_positions:
+    # the last new token is never fed back, so the model reads at most longest + max_new_tokens - 1 positions
+    if lm.max_positions is not None and longest + max_new_tokens - 1 > lm.max_positions:
         raise ValueError(f"a prompt of {longest} tokens + {max_new_tokens} new tokens exceeds the model's "
                          f"{lm.max_positions} positions")
     device = next(lm.parameters()).device

@@ -344,3 +344,19 @@ def test_gpt2model_checkpoint_without_prefix_and_mask_buffers(hf, hf_dir, lm, tm
     (old / "config.json").write_text((hf_dir / "config.json").read_text())
     converted = load_pretrained(convert(old, tmp_path / "omni")).state_dict()
     assert all(torch.equal(v, converted[k]) for k, v in lm.omni.state_dict().items())
+
+
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_generation_fills_the_whole_position_table(hf, lm, use_cache):
+    """A GPT-2 with 64 positions holds a prompt of L tokens plus 64 - L + 1 new ones (the last is never fed
+    back), and those tokens are HF's; one more is refused."""
+    prompt = hf_ids(PROMPTS[2])
+    n = 64 - len(prompt) + 1
+    with torch.no_grad():
+        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, use_cache=use_cache,
+                          pad_token_id=50256, eos_token_id=None)[0, len(prompt):].tolist()
+    assert len(ref) == n
+    got = generate_ids(lm, [prompt], max_new_tokens=n, use_cache=use_cache)[0]
+    assert got == (ref[:ref.index(50256)] if 50256 in ref else ref)
+    with pytest.raises(ValueError, match="exceeds the model's 64 positions"):
+        generate_ids(lm, [prompt], max_new_tokens=n + 1, use_cache=use_cache)
