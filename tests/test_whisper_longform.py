@@ -190,3 +190,39 @@ def test_bad_long_form_is_one_line(plain, tmp_path, capsys):
     err = cli_error(["transcribe", "--checkpoint", str(export), "--device", "cpu", str(tmp_path / "a.wav")], capsys,
                     prog=None)
     assert "long_form is 'sliding'; expected 'whisper' or 'pauses'" in err, err
+
+
+# ----------------------------------------------------------------------------------------------------
+# Reading a long file in blocks (omni.tokenizers.audio.load_audio_file, read_audio_file)
+
+
+@pytest.mark.parametrize("subtype,channels,rate", [("PCM_16", 2, 44100), ("FLOAT", 1, 16000), ("PCM_24", 3, 8000)])
+def test_block_reading_equals_whole_file(tmp_path, subtype, channels, rate):
+    import numpy as np
+    import soundfile as sf
+
+    from omni.tokenizers.audio import load_audio, load_audio_file
+
+    gen = np.random.default_rng(0)
+    data = (0.3 * gen.standard_normal((rate * 3 + 17, channels))).clip(-1, 1).astype(np.float32)
+    sf.write(tmp_path / "a.wav", data, rate, subtype=subtype)
+    whole = load_audio(str(tmp_path / "a.wav"), sample_rate=16000, key="a")
+    blocks = load_audio_file(tmp_path / "a.wav", sample_rate=16000, key="a", block_frames=4099)  # 30+ blocks
+    assert blocks.dtype == whole.dtype and torch.equal(blocks, whole)
+
+
+def test_block_reading_errors_name_the_file(tmp_path):
+    import numpy as np
+    import soundfile as sf
+
+    from omni.pipelines.transcribe import read_audio_file
+
+    (tmp_path / "junk.wav").write_bytes(b"RIFF0000WAVEnot audio at all")
+    with pytest.raises(ValueError, match=r"junk.wav: cannot decode as audio"):
+        read_audio_file(tmp_path / "junk.wav")
+    sf.write(tmp_path / "nan.wav", np.array([0.1, np.nan, 0.2], np.float32), 16000, subtype="FLOAT")
+    with pytest.raises(ValueError, match=r"nan.wav: cannot decode as audio \(audio contains NaN or inf samples\)"):
+        read_audio_file(tmp_path / "nan.wav")
+    sf.write(tmp_path / "quiet.wav", np.full(1600, 1e-6, np.float32), 16000, subtype="FLOAT")
+    with pytest.raises(ValueError, match=r"quiet.wav: the audio is silent"):
+        read_audio_file(tmp_path / "quiet.wav")

@@ -53,7 +53,7 @@ from omni.speech import (SILENCE_PEAK, TASK, SpeechRecognizer, decode_batch, pad
 from omni.timestamps import (Method, TimedSegment, TimedTranscript, WindowAlignment, WordTiming,
                              attention_word_timings, ctc_word_timings, frame_energy, real_frames, segment_words,
                              text_ids, token_char_ends, transcript_words)
-from omni.tokenizers.audio import AudioTokenizer, frame_pairs, load_audio, whisper_file_log_mel
+from omni.tokenizers.audio import AudioTokenizer, frame_pairs, load_audio_file, whisper_file_log_mel
 from omni.tokenizers.base import check_regular_file
 from omni.tokenizers.text import TextTokenizer
 
@@ -70,15 +70,16 @@ def read_audio_file(path: str | os.PathLike, sample_rate: int = 16000) -> Tensor
     if check_regular_file(path, "audio file").st_size == 0:
         raise ValueError(f"{name}: the file is empty (0 bytes)")
     try:
-        wave = load_audio(name, sample_rate=sample_rate, key=name)
+        wave = load_audio_file(name, sample_rate=sample_rate, key=name)  # in blocks: memory ~ the mono result
     except (ValueError, TypeError) as exc:
         msg = str(exc).removeprefix(f"audio sample {name!r}: ")  # the file is named once, first
         if "audio is empty" in msg:
             raise ValueError(f"{name}: the audio has no samples") from exc
         raise ValueError(f"{name}: cannot decode as audio ({msg})") from exc
-    peak = float(wave.abs().max())
+    peak = max(float(wave.max()), -float(wave.min()))  # |wave| without a copy of the file
     if peak < SILENCE_PEAK:
-        raise ValueError(f"{name}: the audio is silent (peak amplitude {peak:.2e} < {SILENCE_PEAK:g}); nothing to transcribe")
+        raise ValueError(f"{name}: the audio is silent (peak amplitude {peak:.2e} < {SILENCE_PEAK:g}); "
+                         "nothing to transcribe")
     return wave
 
 
@@ -349,16 +350,18 @@ def decode_windows(model: Seq2SeqDecoder, audio_tok: AudioTokenizer, windows: Se
                    keys: Sequence[str] | None = None, batch_size: int = 16, beam_size: int = 1,
                    length_penalty: float | Ranker | None = None, **guards: Any) -> list[list[int]]:
     """Waveforms of at most the tokenizer's max_seconds -> the generated ids of each (``decode_batch``), decoded
-    in batches of ``batch_size`` sorted by length."""
+    in batches of ``batch_size`` sorted by length. A batch's features are computed when it is decoded, so memory
+    holds one batch of them, not a whole file's (a 2 h file has 240 windows)."""
     keys = list(keys) if keys is not None else [str(i) for i in range(len(windows))]
-    tokens = [audio_tok.encode((w, audio_tok.sample_rate), key=k).tokens for w, k in zip(windows, keys)]
-    order = sorted(range(len(tokens)), key=lambda i: tokens[i].shape[0])
+    lengths = [audio_tok.num_tokens(int(w.shape[0])) for w in windows]  # what encode gives, without encoding
+    order = sorted(range(len(windows)), key=lambda i: lengths[i])
     out: list[list[int]] = [[] for _ in windows]
     dev = next(model.parameters()).device
     for lo in range(0, len(order), batch_size):
         chunk = order[lo:lo + batch_size]
+        tokens = [audio_tok.encode((windows[i], audio_tok.sample_rate), key=keys[i]).tokens for i in chunk]
         # Whisper's front-end makes every window 1,500 tokens: rounding up to 8 would add 4 masked tokens a row
-        audio, mask = pad_audio([tokens[i] for i in chunk], 1 if audio_tok.frontend == "whisper" else 8)
+        audio, mask = pad_audio(tokens, 1 if audio_tok.frontend == "whisper" else 8)
         rows = decode_batch(model, audio.to(dev), mask.to(dev), beam_size=beam_size, length_penalty=length_penalty,
                             **guards)
         for i, row in zip(chunk, rows):
