@@ -140,7 +140,7 @@ def load_data(cfg: dict) -> tuple[dict, list[dict]]:
         print(f"building {cfg['episodes']} {cfg['env']} episodes in {data} ...", flush=True)
         build_gym(data, env=cfg["env"], episodes=cfg["episodes"], mix=cfg["mix"], seed=cfg["data_seed"],
                   policies=cfg["policies"], minari=False, quiet=not cfg["progress"])
-    manifest = read_manifest(data)
+    manifest = read_manifest(data, kind="episodes")
     if manifest.get("env_id") and manifest["env_id"] != cfg["env"]:
         raise ValueError(f"{data} holds {manifest['env_id']} episodes but --env is {cfg['env']}")
     return manifest, load_episodes(data, "train", max_corrupt_fraction=cfg["max_corrupt_fraction"])

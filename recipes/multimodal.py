@@ -372,7 +372,7 @@ def speech_shards(spec: dict, cfg: dict, text) -> dict[str, dict[str, Any]]:
         out = {}
         for split in ("train", "test"):
             loader = ShardLoader(data, decode, list, batch_size=256, split=split, rank=0, world_size=1,
-                                 shuffle=False, max_corrupt_fraction=cfg["max_corrupt_fraction"])
+                                 shuffle=False, max_corrupt_fraction=cfg["max_corrupt_fraction"], kind="speech")
             items = [it for batch in loader for it in batch]  # (a None from decode is dropped by the loader)
             if len(items) < loader.num_samples:
                 warnings.warn(f"{data} {split}: dropped {loader.num_samples - len(items)} clips longer than "
@@ -395,7 +395,7 @@ def gym_episodes(spec: dict, cfg: dict, text) -> dict[str, dict[str, Any]]:
     if not (data / "manifest.json").is_file():
         build_gym(data, env=spec["env"], episodes=spec["episodes"], mix=mix, seed=cfg["seed"], minari=False, quiet=True,
                   reference_episodes=spec.get("reference_episodes", 10))
-    manifest = read_manifest(data)
+    manifest = read_manifest(data, kind="episodes")
     episodes = load_episodes(data, "train", max_corrupt_fraction=cfg["max_corrupt_fraction"])
     n_eval = max(1, len(episodes) // 10)
     # timestep table up to the env's step limit, so rollouts run whole episodes (as the DT recipe does)

@@ -169,7 +169,7 @@ def build_data(cfg: dict, rank: int, world: int, device: torch.device):
     if not (data / "manifest.json").is_file() and cfg["build"] != "fashion-mnist":
         raise FileNotFoundError(f"{data}/manifest.json not found: build the dataset with `omni data ...`")
     rank_zero_first(lambda: fashion_mnist(data), rank, world)
-    manifest = read_manifest(data / "manifest.json")
+    manifest = read_manifest(data / "manifest.json", kind="images")
     names = manifest.get("class_names") or manifest.get("classes")
     loaders = {}
     for split, train in (("train", True), ("test" if "test" in manifest["splits"] else "val", False)):
@@ -178,7 +178,7 @@ def build_data(cfg: dict, rank: int, world: int, device: torch.device):
         if cfg["in_memory"]:
             once = ShardLoader(data, decode, stack, batch_size=1024, split=split, rank=0, world_size=1, shuffle=False,
                                num_workers=cfg["workers"] if device.type == "cuda" else 0,
-                               max_corrupt_fraction=cfg["max_corrupt_fraction"])
+                               max_corrupt_fraction=cfg["max_corrupt_fraction"], kind="images")
             images, labels = materialise(once, device)
             if limit:
                 images, labels = images[:limit], labels[:limit]
@@ -188,7 +188,7 @@ def build_data(cfg: dict, rank: int, world: int, device: torch.device):
             loaders[split] = ShardLoader(data, decode, stack, cfg["batch_size"], split=split, rank=rank,
                                          world_size=world, shuffle=train, seed=cfg["seed"],
                                          num_workers=cfg["workers"], drop_last=train,
-                                         max_corrupt_fraction=cfg["max_corrupt_fraction"])
+                                         max_corrupt_fraction=cfg["max_corrupt_fraction"], kind="images")
     train_loader, eval_loader = loaders.values()
     return train_loader, eval_loader, names
 

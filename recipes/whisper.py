@@ -209,7 +209,8 @@ def prompted_example(audio_tok: AudioTokenizer, text_tok: TextTokenizer, prompt:
 def read_transcripts(data: Path, split: str, max_corrupt_fraction: float) -> list[str]:
     """Every transcript of a split (for fitting the BPE), read with the same loader on one process."""
     loader = ShardLoader(data, _transcript, list, batch_size=1024, split=split, rank=0, world_size=1,
-                         shuffle=False, fields=("txt",), max_corrupt_fraction=max_corrupt_fraction)
+                         shuffle=False, fields=("txt",), max_corrupt_fraction=max_corrupt_fraction,
+                         kind="speech")
     return [t for batch in loader for t in batch][: loader.num_samples]
 
 
@@ -316,7 +317,7 @@ class Scorer:
 def first_clips(data: Path, split: str, n: int, max_corrupt_fraction: float) -> list[tuple[bytes, str, str]]:
     """The first ``n`` (audio bytes, transcript, key) of a split, in shard order (the clips TensorBoard plays)."""
     loader = ShardLoader(data, _raw_clip, list, batch_size=n, split=split, rank=0, world_size=1, shuffle=False,
-                         max_corrupt_fraction=max_corrupt_fraction)
+                         max_corrupt_fraction=max_corrupt_fraction, kind="speech")
     return next(iter(loader), [])[:n]
 
 
@@ -365,7 +366,7 @@ def main(argv=None) -> dict:
     state = process_state()
     rank, world = state.process_index, state.num_processes
     data = ensure_data(cfg, rank, world)
-    manifest = read_manifest(data / "manifest.json")
+    manifest = read_manifest(data / "manifest.json", kind="speech")
     train_split, eval_split = choose_splits(cfg, data, manifest["splits"])
     if cfg["init"] is not None:
         model, export, tokenizers = from_init(cfg)
@@ -385,7 +386,8 @@ def main(argv=None) -> dict:
     # to a multiple of 8 would add 4 masked tokens to every row, computed for nothing.
     collate = SpeechCollate(text.pad_id, pad_multiple=1 if audio.frontend == "whisper" else 8)
     workers = cfg["workers"] if state.device.type == "cuda" else min(cfg["workers"], 2)
-    loader = dict(num_workers=workers, rank=rank, world_size=world, max_corrupt_fraction=cfg["max_corrupt_fraction"])
+    loader = dict(num_workers=workers, rank=rank, world_size=world, max_corrupt_fraction=cfg["max_corrupt_fraction"],
+                  kind="speech")
     train_data = ShardLoader(data, decode, collate, cfg["batch_size"], split=train_split, shuffle=True, seed=cfg["seed"],
                              drop_last=True, **loader)
     eval_data = None

@@ -55,7 +55,7 @@ def test_shards_in_a_subfolder_of_the_dataset_are_still_read(tmp_path):
 
 def test_a_dataset_of_another_kind_is_one_line_naming_both(tmp_path):
     ds = _dataset(tmp_path / "speech", builder="speech-synth")
-    expected = (rf"^{ds} is a dataset of speech \(built by `omni data speech-synth`\), where images are expected "
+    expected = (rf"^{ds} is a dataset of speech \(built by `omni data speech-synth`\), where a dataset of images is expected "
                 r"\(`omni data fashion-mnist, images` builds them\)$")
     for read in (lambda: read_manifest(ds, kind="images"), lambda: shard_urls(ds, "train", kind="images"),
                  lambda: ShardLoader(ds, _label, list, 2, kind="images")):
@@ -130,3 +130,42 @@ def test_an_image_over_the_pixel_bound_is_refused_from_its_header(tmp_path):
     with pytest.raises(ValueError, match="13000 x 13000 pixels is more than MAX_PIXELS"):
         decode_image(path.read_bytes())
     assert to_image_tensor(_png((5, 7))).shape == (3, 5, 7)
+
+
+@pytest.mark.parametrize("script, builder, expected", [
+    ("vit.py", "speech-synth", "where a dataset of images is expected"),
+    ("whisper.py", "fashion-mnist", "where a dataset of speech is expected"),
+    ("decision_transformer.py", "text", "where a dataset of episodes is expected"),
+])
+def test_a_recipe_given_a_dataset_of_another_kind_says_so_in_one_line(tmp_path, script, builder, expected):
+    """The recipes pass the kind they read: a dataset of another kind is one line naming both (exit 2), not a
+    traceback from the first sample's decoder."""
+    import subprocess
+    import sys
+
+    ds = _dataset(tmp_path / "ds", builder=builder)
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, f"recipes/{script}", "--preset", "tiny", "--data", str(ds),
+                           "--out", str(tmp_path / "run"), "--set", "progress=False"],
+                          cwd=root, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    line = proc.stderr.strip().splitlines()[-1]
+    assert line.startswith(f"recipes/{script}: error: ") and expected in line, proc.stderr[-2000:]
+
+
+def test_user_format_builders_have_kinds(tmp_path):
+    """`omni data audio` writes speech; `omni data hf` writes the kind its manifest records."""
+    speech = _dataset(tmp_path / "audio", builder="audio")
+    with pytest.raises(DatasetError, match="is a dataset of speech .*where a dataset of images is expected"):
+        read_manifest(speech, kind="images")
+    hf = tmp_path / "hf"
+    build = Build(hf, "hf", {}, shard_size=3, quiet=True)
+    with build:
+        build.start()
+        with build.split("train") as w:
+            w.write({"__key__": "k0", "cls": 0})
+        build.finish(kind="text")
+    with pytest.raises(DatasetError, match=r"is a dataset of text \(built by `omni data hf`\)"):
+        read_manifest(hf, kind="images")
+    assert read_manifest(hf, kind="text")["kind"] == "text"

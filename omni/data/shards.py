@@ -64,13 +64,17 @@ DATASET_KINDS = {
     "fashion-mnist": "images", "images": "images",
     "speech-synth": "speech", "librispeech": "speech",
     "gym": "episodes", "minari": "episodes",
-    "text": "text",
+    "text": "text", "audio": "speech",
 }
+KINDS_BY_MANIFEST = ("hf",)  # builders of several kinds: their manifest's "kind" says which (omni data hf)
 
 
 def dataset_kind(manifest: Mapping[str, Any]) -> str | None:
     """The kind of data a manifest's builder writes (``DATASET_KINDS``), None for another builder."""
     builder = manifest.get("builder")
+    if builder in KINDS_BY_MANIFEST:
+        kind = manifest.get("kind")
+        return kind if kind in set(DATASET_KINDS.values()) else None
     return DATASET_KINDS.get(builder) if isinstance(builder, str) else None
 
 
@@ -122,7 +126,7 @@ def read_manifest(path: str | os.PathLike, *, kind: str | Sequence[str] | None =
         if found is not None and found not in wanted:
             builders = ", ".join(b for b, k in DATASET_KINDS.items() if k in wanted)
             raise DatasetError(f"{file.parent} is a dataset of {found} (built by `omni data "
-                               f"{manifest['builder']}`), where {' or '.join(wanted)} are expected (`omni data "
+                               f"{manifest['builder']}`), where a dataset of {' or '.join(wanted)} is expected (`omni data "
                                f"{builders or '...'}` builds them)")
     return manifest
 

@@ -39,7 +39,8 @@ def load_episodes(data: str | Path, split: str = "train", *, max_corrupt_fractio
     from omni.data.reader import ShardLoader
 
     loader = ShardLoader(data, _decode_episode, _as_list, batch_size=256, split=split, rank=0, world_size=1,
-                         shuffle=False, fields=("npz",), max_corrupt_fraction=max_corrupt_fraction)
+                         shuffle=False, fields=("npz",), max_corrupt_fraction=max_corrupt_fraction,
+                         kind="episodes")
     episodes = [ep for batch in loader for ep in batch]
     if not episodes:
         raise ValueError(f"{data}: split {split!r} has no episodes")
