@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from omni.data.builders_hf import build_hf
+from omni.data.builders_manifest import build_audio_manifest
 from omni.data.builders_rl import build_gym, build_minari
 from omni.data.builders_speech import build_librispeech, build_speech_synth
 from omni.data.builders_text import build_text, fit_tokenizer
@@ -22,6 +24,8 @@ BUILDERS: dict[str, Callable[..., dict[str, Any]]] = {
     "gym": build_gym,
     "minari": build_minari,
     "text": build_text,
+    "hf": build_hf,
+    "audio": build_audio_manifest,
 }
 
 __all__ = [
@@ -33,5 +37,7 @@ __all__ = [
     "build_gym",
     "build_minari",
     "build_text",
+    "build_hf",
+    "build_audio_manifest",
     "fit_tokenizer",
 ]

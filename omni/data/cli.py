@@ -202,7 +202,8 @@ def add_data_commands(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--src", required=True, help="SRC/<class>/*.jpg, or SRC/train/<class>/... and SRC/val/<class>/...")
     p.add_argument("--val-fraction", type=_fraction, default=0.1, help="seeded per-class holdout when SRC has no split folders")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--skip-bad", action="store_true", help="skip (with a warning) files that are not JPEG/PNG")
+    p.add_argument("--skip-bad", action="store_true", help="skip (with a warning) files that are not whole JPEG/PNG images "
+                   "(unreadable, truncated, header only, over 8192x8192 pixels)")
     p.set_defaults(func=_runner("data images", _images))
 
     p = sub.add_parser("speech-synth", help="speech synthesised with eSpeak NG from public-domain sentences")
