@@ -325,10 +325,9 @@ class Greedy:
 
 
 class ScoredGreedy(Greedy):
-    """``Greedy`` as openai-whisper's ``GreedyDecoder``: the argmax (``temperature`` 0) or a sample of
-    ``Categorical(logits / temperature)`` (the same torch draw, so the same tokens under the same RNG state), and
-    ``logprob`` (N,): each row's summed log-probability (of the filtered, untempered logits) of its tokens, eos
-    included. One host-free step, like Greedy."""
+    """``Greedy`` as openai-whisper's ``GreedyDecoder``: the argmax (``temperature`` 0) or a ``Categorical(logits /
+    temperature)`` draw (torch's, so the same tokens under the same RNG state), and ``logprob`` (N,): each row's
+    summed log-probability (filtered, untempered logits) of its tokens, eos included. Host-free, like Greedy."""
 
     def __init__(self, rows: int, steps: int, eos_id: int, pad_id: int, device: torch.device,
                  temperature: float = 0.0) -> None:
@@ -364,8 +363,8 @@ def length_normalised(score: float, length: int, alpha: float) -> float:
 
 @dataclass(frozen=True)
 class GNMTRanker:
-    """omni's beam ranking: a hypothesis' summed log-probability / ((5 + steps) / 6) ** alpha, steps counting its
-    eos; eos continuations finish only among an input's K best candidates (``eos_until_kept`` False)."""
+    """omni's beam ranking: summed log-probability / ((5 + steps) / 6) ** alpha (steps count the eos); eos
+    continuations finish only among an input's K best candidates."""
 
     alpha: float = 1.0
     eos_until_kept = False
@@ -376,10 +375,9 @@ class GNMTRanker:
 
 @dataclass(frozen=True)
 class WhisperRanker:
-    """openai-whisper's ``MaximumLikelihoodRanker`` and ``BeamSearchDecoder`` rules: a hypothesis' summed
-    log-probability / its token count (eos excluded) when ``length_penalty`` is None, else / ((5 + tokens) / 6) **
-    length_penalty; every eos candidate ranked above the K-th continuing one finishes (``eos_until_kept``), the
-    best first, until K hypotheses finished. The default ranking of converted Whispers."""
+    """openai-whisper's ``MaximumLikelihoodRanker`` and ``BeamSearchDecoder``: summed log-probability / token count
+    (eos excluded; with ``length_penalty``: / ((5 + tokens) / 6) ** it); every eos candidate ranked above the K-th
+    continuing one finishes (``eos_until_kept``), best first, up to K. Converted Whispers' default."""
 
     length_penalty: float | None = None
     eos_until_kept = True
@@ -406,8 +404,7 @@ class BeamSearch:
                  device: torch.device) -> None:
         if beam_size < 1:
             raise ValueError(f"beam_size must be >= 1, got {beam_size}")
-        self.ranker = length_penalty if isinstance(length_penalty, (GNMTRanker, WhisperRanker)) \
-            else GNMTRanker(float(length_penalty))
+        self.ranker = GNMTRanker(float(length_penalty)) if isinstance(length_penalty, (int, float)) else length_penalty
         self.B, self.K = inputs, beam_size
         self.eos_id, self.pad_id, self.guard, self.reorder = eos_id, pad_id, guard, reorder
         self.out = torch.full((inputs * beam_size, steps), pad_id, dtype=torch.long, device=device)  # live beams
@@ -438,14 +435,13 @@ class BeamSearch:
             if not self.live[b]:
                 continue
             chosen: list[int] = []  # candidates that continue, in beam order
-            until_kept = self.ranker.eos_until_kept
             for c, (s, i) in enumerate(zip(top_s[b], top_i[b])):
                 if s == NEG_INF:
                     break
                 k, v = divmod(i, V)
                 if v == self.eos_id:
                     # whisper: at most K finished, the best first (candidates come sorted)
-                    if (until_kept and len(self.hypotheses[b]) < K) or (not until_kept and c < K):
+                    if len(self.hypotheses[b]) < K if self.ranker.eos_until_kept else c < K:
                         self._finish(b, s, t + 1, cand[b * C + c, :t])
                     continue
                 if keep[b][c] >= 0:  # a repetition loop: finish with the first copy only
@@ -459,7 +455,7 @@ class BeamSearch:
             if len(self.hypotheses[b]) >= K or t + 1 >= self.limit[b]:
                 if len(self.hypotheses[b]) < K:  # token limit: live beams finish as they are
                     for n, c in enumerate(chosen):
-                        if until_kept and len(self.hypotheses[b]) >= K:  # whisper's finalize: up to K
+                        if self.ranker.eos_until_kept and len(self.hypotheses[b]) >= K:  # whisper's: up to K
                             break
                         self._finish(b, scores[b][n], t + 1, cand[b * C + c, :t + 1])
                 self.live[b] = False
@@ -607,22 +603,18 @@ def decode_scored(model: Seq2SeqDecoder, memory: Tensor, mask: Tensor | None = N
     B, dev = memory.shape[0], memory.device
     limit = options.limits(model, mask, B, dev)
     steps = int(limit.max())
-    if beam_size > 1 and temperature == 0:
+    beams = beam_size > 1 and temperature == 0
+    if beams:
         memory = memory.repeat_interleave(beam_size, 0)
         mask = None if mask is None else mask.repeat_interleave(beam_size, 0)
-        inference = CachedInference(model, memory, mask, steps)
-        beams = BeamSearch(B, beam_size, ranker or getattr(model, "ranker", None) or GNMTRanker(1.0), steps,
-                           model.eos_id, model.pad_id, None, inference.reorder, dev)
-        decoding = Decoding(inference, beams, options.filters(model), dev)
-        decoding.start(memory, mask, limit)
-        decoding.run(steps)
-        return beams.scored()
     inference = CachedInference(model, memory, mask, steps)
-    greedy = ScoredGreedy(B, steps, model.eos_id, model.pad_id, dev, temperature)
-    decoding = Decoding(inference, greedy, options.filters(model), dev)
+    strategy = (BeamSearch(B, beam_size, ranker or getattr(model, "ranker", None) or GNMTRanker(1.0), steps,
+                           model.eos_id, model.pad_id, None, inference.reorder, dev) if beams
+                else ScoredGreedy(B, steps, model.eos_id, model.pad_id, dev, temperature))
+    decoding = Decoding(inference, strategy, options.filters(model), dev)
     decoding.start(memory, mask, limit)
     ids = decoding.run(steps)
-    return list(zip(ids, greedy.logprob.tolist()))
+    return strategy.scored() if isinstance(strategy, BeamSearch) else list(zip(ids, strategy.logprob.tolist()))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -703,6 +695,6 @@ class GraphedGreedyDecoder:
 
 
 __all__ = ["BeamSearch", "CachedInference", "Decoding", "DecodingOptions", "FullInference", "GNMTRanker",
-           "GraphedGreedyDecoder", "Ranker", "ScoredGreedy", "WhisperRanker", "decode_scored",
-           "Greedy", "MinNewTokens", "RepetitionGuard", "SuppressAtStart", "SuppressTokens", "TimestampRules",
-           "beam_search", "greedy_decode", "length_normalised"]
+           "GraphedGreedyDecoder", "Greedy", "MinNewTokens", "Ranker", "RepetitionGuard", "ScoredGreedy",
+           "SuppressAtStart", "SuppressTokens", "TimestampRules", "WhisperRanker", "beam_search", "decode_scored",
+           "greedy_decode", "length_normalised"]
