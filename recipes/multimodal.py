@@ -261,8 +261,35 @@ def parse_args(argv=None) -> dict:
         patch = spec.get("patch")
         if spec.get("source") == "fashion-mnist" and isinstance(patch, int) and patch > 0 and 28 % patch:
             ap.error(f"tasks.{name_}.patch {patch} must divide the 28-pixel Fashion-MNIST images: 1, 2, 4, 7, 14 or 28")
+    defaults = {**PRESETS[cfg["preset"]].get("tasks", TASKS), **COMMON["extra_tasks"].default}
+    for name_, spec in tasks.items():  # an entry the task never reads is a mistake, not a setting
+        read = task_entries(spec)
+        given = [e for e in spec if e not in read and defaults.get(name_, {}).get(e, object()) != spec[e]]
+        if given:
+            ap.error(f"tasks.{name_}.{given[0]}: a {spec['kind']} task "
+                     + (f"from source {spec.get('source')!r} " if "data" not in spec else "with a data callable ")
+                     + f"does not read it; it reads {', '.join(sorted(read))}")
     cfg["tasks"] = tasks
     return cfg
+
+
+# What each task reads: the entries every task has, its kind's evaluation options, and its data source's entries.
+COMMON_ENTRIES = {"kind", "source", "weight", "loss_weight"}
+KIND_ENTRIES = {"transcribe": {"eval_batch_size", "max_new_tokens"}, "action": {"eval_seeds", "target"}}
+SOURCE_ENTRIES = {
+    "fashion-mnist": {"patch", "limit_train", "limit_eval"},
+    "speech-synth": {"train", "test", "max_words", "voices", "rates", "ctc_weight"},
+    "speech-shards": {"shards", "build", "ctc_weight"},
+    "gym": {"env", "episodes", "mix", "context", "reference_episodes"},
+    "austen": {"max_tokens", "eval_fraction", "limit"},
+}
+USER_DATA_ENTRIES = {"data", "data_kwargs", "tokenizer", "tokenizer_kwargs", "n_classes"}
+
+
+def task_entries(spec: dict) -> set[str]:
+    """The entries a task entry is read for (an unknown source reads only the common ones: task_source names it)."""
+    own = USER_DATA_ENTRIES if "data" in spec else SOURCE_ENTRIES.get(spec.get("source"), set())
+    return COMMON_ENTRIES | KIND_ENTRIES.get(spec["kind"], set()) | own
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -290,10 +317,13 @@ def fashion_mnist(spec: dict, cfg: dict, text) -> dict[str, dict[str, Any]]:
 
 def corpus_tag(text: list[str] | None) -> str:
     """'' for the default corpus, else '-<digest of the files' paths, sizes and times>' (cache names)."""
+    from omni.data.builders_text import expand_inputs
+
     if text is None:
         return ""
+    # a folder stands for the text files inside it (expand_inputs), so editing one of them is a new corpus
     stats = [(os.path.abspath(p), *((os.stat(p).st_size, os.stat(p).st_mtime_ns) if os.path.isfile(p) else ()))
-             for p in text]
+             for p in expand_inputs(text)]
     return "-" + hashlib.sha256(json.dumps(stats).encode()).hexdigest()[:12]
 
 

@@ -812,3 +812,29 @@ def test_evaluations_score_the_same_held_out_batches_after_a_resume(cache, tmp_p
             run(tmp_path / "resumed")
     run(tmp_path / "resumed")
     assert evaluations(tmp_path / "resumed") == straight
+
+
+def test_a_task_entry_the_task_never_reads_is_one_line(capsys):
+    """tasks.image.env='x' (dict or dotted form) was silently ignored; an entry left over from a preset when the
+    user switches a task's source is not the user's mistake and stays accepted."""
+    mm = load_recipe()
+    for argv in (["--set", "tasks.image.env=x"],
+                 ["--set", "tasks={'image': {'kind': 'classify', 'source': 'fashion-mnist', 'patch': 7, 'env': 'x'}}"]):
+        with pytest.raises(SystemExit) as exc:
+            mm.parse_args(["--preset", "tiny", *argv])
+        assert exc.value.code == 2
+        line = capsys.readouterr().err.strip().splitlines()[-1]
+        assert "tasks.image.env: a classify task from source 'fashion-mnist' does not read it" in line, line
+    cfg = mm.parse_args(["--preset", "tiny", "--set", "tasks.asr.source=speech-shards", "tasks.asr.shards=x"])
+    assert cfg["tasks"]["asr"]["source"] == "speech-shards"
+
+
+def test_the_corpus_cache_tag_follows_the_files_of_a_text_folder(tmp_path):
+    mm = load_recipe()
+    (tmp_path / "corpus").mkdir()
+    page = tmp_path / "corpus" / "a.txt"
+    page.write_text("One two three four.\n")
+    before = mm.corpus_tag([str(tmp_path / "corpus")])
+    assert mm.corpus_tag([str(tmp_path / "corpus")]) == before
+    page.write_text("One two three four five six.\n")
+    assert mm.corpus_tag([str(tmp_path / "corpus")]) != before
