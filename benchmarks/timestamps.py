@@ -5,7 +5,7 @@ training). Each word is rendered alone by eSpeak NG (voice en-us, 175 wpm, pitch
 omni/data/speech.py), its leading and trailing silence trimmed (first / last sample above -40 dB of the word's
 peak), and the words are concatenated with seeded random pauses of 0.1-0.5 s (0.3 s before the first and after
 the last): every word's true start and end are known to the sample. Word times then come from
-omni.timestamps.time_windows on the model's own CTC head / cross-attention, for the reference transcript
+omni.pipelines.timing.time_windows on the model's own CTC head / cross-attention, for the reference transcript
 (forced: timing alone, not recognition) and for the model's own transcript (the `omni transcribe` path: words
 scored where they match the reference). The boundary error is |predicted - true| over every word start and end.
 

@@ -17,7 +17,8 @@ import torch
 
 from omni.cli import main
 from omni.export import save_pretrained
-from omni.pipelines.transcribe import split_windows, time_windows, transcribe_timed
+from omni.pipelines.timing import time_windows
+from omni.pipelines.transcribe import split_windows, transcribe_timed
 from omni.speech import CTC_BLANK, SpeechRecognizer
 from omni.timestamps import (TimedSegment, TimedTranscript, WordTiming, _viterbi, attention_alignment,
                              attention_word_timings, ctc_align, ctc_word_timings, dtw_path, refine_with_energy,

@@ -15,7 +15,8 @@ import torch
 from omni.interop import convert, read_model, to_peer
 from omni.files import sha256_file
 from omni.interop import whisper as interop
-from omni.pipelines.transcribe import load_recognizer, time_windows
+from omni.pipelines.timing import time_windows
+from omni.pipelines.transcribe import load_recognizer
 from omni.timestamps import attention_word_timings, check_alignment_heads, text_ids
 from omni.tokenizers.text import TextTokenizer
 
@@ -77,7 +78,7 @@ def test_hf_generation_config_heads_into_the_export_and_back(tmp_path, monkeypat
         seen.append(kwargs.get("heads"))
         return real(*args, **kwargs)
 
-    monkeypatch.setattr("omni.pipelines.transcribe.attention_word_timings", spy)
+    monkeypatch.setattr("omni.pipelines.timing.attention_word_timings", spy)
     clip = 0.1 * torch.randn(16000, generator=torch.Generator().manual_seed(0))
     time_windows(model, audio, text, [clip], ["one two"], [0.0], method="attention")
     time_windows(model, audio, text, [clip], ["one two"], [0.0], method="attention", alignment_heads=[[0, 0]])

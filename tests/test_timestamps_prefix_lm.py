@@ -15,7 +15,7 @@ import torch
 from omni.cli import main
 from omni.export import save_pretrained
 from omni.multitask import MultitaskModel, PrefixLMTranscriber, TranscribeTask, merge_tokenizers
-from omni.pipelines.transcribe import prefix_lm_attention, time_windows, timing_method
+from omni.pipelines.timing import prefix_lm_attention, time_windows, timing_method
 from omni.timestamps import attention_word_timings, text_ids
 from omni.tokenizers.audio import AudioTokenizer
 from omni.tokenizers.text import TextTokenizer
