@@ -496,6 +496,13 @@ class _Reader:
         local, self._digests[sid] = self._cache.get(url, expected, size)
         return local
 
+    def cached(self, sid: int) -> bool:
+        """Whether shard sid can be read without a fetch: a local file, or a remote one in the cache."""
+        url = self.cfg.urls[sid]
+        if self._cache is None or not is_remote(url):
+            return True
+        return self._cache.peek(url, self.cfg.sha256[sid] if self.cfg.sha256 else None)
+
     def index(self, sid: int) -> ShardIndex:
         """The shard's header index, built once per process; with a manifest digest the whole file is
         hashed first (a remote shard's digest comes from its fetch), and a mismatch marks every sample corrupt."""
@@ -894,11 +901,10 @@ class ShardLoader:
         needed = {}
         for slot in range(max(first, 0), min(last, len(self.cfg.urls) - 1) + 1):
             sid = int(plan.shard_order[slot])
-            if is_remote(self.cfg.urls[sid]):
+            if sid not in self._indexes and not reader.cached(sid):
                 # Fetching here would download the rank's whole epoch before the first batch (and past the
-                # cache's limit): workers fetch remote shards on demand, sharing the cache.
-                if sid in self._indexes:
-                    needed[sid] = self._indexes[sid]
+                # cache's limit): workers fetch remote shards on demand, sharing the cache. Shards already in
+                # the cache are indexed here, once per run, like local ones.
                 continue
             needed[sid] = reader.index(sid)
         dataset = _EpochBatches(self.cfg, epoch, start, needed)

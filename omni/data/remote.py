@@ -356,6 +356,10 @@ class ShardCache:
             self._make_room(0, keep=path)
             return str(path), digest
 
+    def peek(self, url: str, sha256: str | None = None) -> bool:
+        """Whether ``url`` is in the cache now (nothing is fetched)."""
+        return self.entry(url, sha256).with_name(self.entry(url, sha256).name + ".sha256").is_file()
+
     def _hit(self, path: Path) -> tuple[str, str] | None:
         side = path.with_name(path.name + ".sha256")
         try:
