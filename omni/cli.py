@@ -8,16 +8,16 @@ kind of export), or no input file could be read.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import errno
 import json
-import math
 import os
 import sys
-import tempfile
-import warnings
 from pathlib import Path
-from typing import Any, Callable, Iterator, NoReturn, Sequence
+from typing import Any, Callable, NoReturn, Sequence
+
+from omni.console import UsageError, number, one_line, plain_warnings, writable_dir, write_error, writing
+
+_positive_int = number(int, at_least=1)
+_finite_float = number(float)
 
 # Builders of the recipes' exports: what they make and which command reads it.
 _KNOWN_BUILDERS = {
@@ -25,10 +25,6 @@ _KNOWN_BUILDERS = {
     "omni.speech:build_speech_recognizer": ("a speech recognizer", "recipes/whisper.py", "transcribe"),
     "omni.rl:build_decision_transformer": ("a decision transformer", "recipes/decision_transformer.py", None),
 }
-
-
-class UsageError(Exception):
-    """A mistake of the caller (options, paths, the export given): one line on stderr, exit status 2."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -47,30 +43,6 @@ def _version() -> str:
         import omni
 
         return getattr(omni, "__version__", "unknown")
-
-
-# -- option types: bad values stop at argument parsing ------------------------------------------------------
-def number(kind: type, *, at_least: float | None = None, below: float | None = None) -> Callable[[str], Any]:
-    """An argparse type: text -> ``kind`` (int, or a finite float), ``>= at_least`` and ``< below`` where given.
-    The one checker of numeric options for ``omni`` and ``omni data``."""
-    bounds = " and ".join(t for t in (at_least is not None and f">= {at_least}", below is not None and f"< {below}") if t)
-
-    def parse(text: str) -> Any:
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"invalid {kind.__name__} value: {text!r}") from None
-        if kind is float and not math.isfinite(value):
-            raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
-        if (at_least is not None and value < at_least) or (below is not None and value >= below):
-            raise argparse.ArgumentTypeError(f"must be {bounds}, got {value}")
-        return value
-
-    return parse
-
-
-_positive_int = number(int, at_least=1)
-_finite_float = number(float)
 
 
 def _device(text: str) -> str:
@@ -147,46 +119,6 @@ def _export_errors() -> tuple[type[BaseException], ...]:
     return OSError, ValueError, KeyError, SafetensorError
 
 
-def one_line(exc: BaseException) -> str:
-    """An exception's message on one line (whitespace folded), for `omni ...: error: <it>`."""
-    text = exc.args[0] if isinstance(exc, KeyError) and exc.args else str(exc)  # str(KeyError) adds quotes
-    return " ".join(str(text).split()) or type(exc).__name__
-
-
-# -- output folders: checked before any work, and a write that fails later is named, never the export ----------
-def _writable_dir(option: str, directory: str) -> None:
-    """Create ``directory`` and write a few bytes there: UsageError naming the option and the folder when it is
-    a file, read-only or full (probed by writing: root ignores permission bits, and only a write sees a full
-    disk)."""
-    path = Path(directory)
-    if path.exists() and not path.is_dir():
-        raise UsageError(f"{option} {directory}: not a directory")
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=path) as probe:
-            probe.write(b"\0" * 4096)
-            probe.flush()
-            os.fsync(probe.fileno())
-    except OSError as exc:
-        raise UsageError(_write_error(option, directory, exc)) from exc
-
-
-def _write_error(option: str, directory: str | Path, exc: OSError) -> str:
-    """The one line for an output folder that cannot be written: which option, which folder, why."""
-    why = {errno.ENOSPC: "the disk is full (no space left on device)", errno.EDQUOT: "the disk quota is exceeded",
-           errno.EROFS: "it is on a read-only file system", errno.EACCES: "permission denied",
-           errno.EPERM: "permission denied"}.get(exc.errno or 0, exc.strerror or str(exc))
-    where = f" ({exc.filename})" if exc.filename and str(exc.filename) != str(directory) else ""
-    return f"{option} {directory}: cannot write there{where}: {why}"
-
-
-def _writing(option: str, directory: str | Path | None, exc: BaseException) -> bool:
-    """Whether ``exc`` is a failed write of an output under ``directory`` (not reading the export or an input)."""
-    return (directory is not None and isinstance(exc, OSError)
-            and exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM)
-            and (not exc.filename or Path(directory) in (Path(str(exc.filename)), *Path(str(exc.filename)).parents)))
-
-
 # -- predict / transcribe: one result per file ----------------------------------------------------------------
 def _run_on_files(args: argparse.Namespace, files: Sequence[str], run: Callable[[Path], list[Any]],
                   text: Callable[[Any], str], entry: Callable[[Any], dict[str, Any]],
@@ -241,7 +173,7 @@ def _predict(args: argparse.Namespace) -> int:
             require("matplotlib", "viz")
         except MissingDependency as exc:
             raise UsageError(f"--attention draws pictures: {exc}") from exc
-        _writable_dir("--attention", args.attention)
+        writable_dir("--attention", args.attention)
         pictures = {f: str(p) for f, p in zip(args.images, attention_paths(args.images, args.attention))}
 
     def run(checkpoint: Path) -> list[Any]:  # (file, top-k) per readable file: its json entry names its picture
@@ -250,8 +182,8 @@ def _predict(args: argparse.Namespace) -> int:
                                     return_exceptions=True, attention=args.attention,
                                     attention_method=args.attention_method)
         except OSError as exc:  # a picture that could not be written (the disk filled meanwhile)
-            if _writing("--attention", args.attention, exc):
-                raise UsageError(_write_error("--attention", args.attention, exc)) from exc
+            if writing("--attention", args.attention, exc):
+                raise UsageError(write_error("--attention", args.attention, exc)) from exc
             raise
         return [r if isinstance(r, Exception) else (f, r) for f, r in zip(args.images, results)]
 
@@ -278,7 +210,7 @@ def _transcribe(args: argparse.Namespace) -> int:
     pictures: dict[str, Path] = {}
     for option, directory in (("--output-dir", args.output_dir), ("--alignment", args.alignment)):
         if directory is not None:
-            _writable_dir(option, directory)
+            writable_dir(option, directory)
     if args.alignment is not None:
         from omni.deps import MissingDependency, require
 
@@ -325,8 +257,8 @@ def _transcribe(args: argparse.Namespace) -> int:
                         write_alignment_png(pictures[f], read_audio_file(f, sr), sr, result,
                                             title=f"{f}: {result.text}")
                     except OSError as exc:
-                        if _writing("--alignment", args.alignment, exc):
-                            raise UsageError(_write_error("--alignment", args.alignment, exc)) from exc
+                        if writing("--alignment", args.alignment, exc):
+                            raise UsageError(write_error("--alignment", args.alignment, exc)) from exc
                         raise
         # (file, result) per readable file: its json entry names its picture
         return [r if isinstance(r, Exception) else (f, r) for f, r in zip(args.files, results)]
@@ -346,7 +278,7 @@ def _transcribe(args: argparse.Namespace) -> int:
                 outputs[f].parent.mkdir(parents=True, exist_ok=True)
                 written = write_atomic(outputs[f], body)
             except OSError as exc:  # the disk filled meanwhile: the files printed before are whole
-                raise UsageError(_write_error("--output-dir", args.output_dir, exc)) from exc
+                raise UsageError(write_error("--output-dir", args.output_dir, exc)) from exc
             print(written)
         else:  # one srt / vtt document on stdout
             sys.stdout.write(render(item[1], args.format))
@@ -561,19 +493,6 @@ def build_parser() -> argparse.ArgumentParser:
     add_data_commands(sub)
     add_tokenizer_commands(sub)
     return parser
-
-
-@contextlib.contextmanager
-def plain_warnings(prog: str) -> Iterator[None]:
-    """While entered, warnings print as one line ``<prog>: warning: <message>``: Python's default format adds the
-    source file and the line of code that warned, which a command-line user has no use for. The previous
-    format comes back on exit (``main`` may be called in-process)."""
-    previous = warnings.formatwarning
-    warnings.formatwarning = lambda message, *_, **__: f"{prog}: warning: {message}\n"
-    try:
-        yield
-    finally:
-        warnings.formatwarning = previous
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -673,7 +673,7 @@ def run_recipe(main: Callable[[], Any]) -> NoReturn:
     when it returns None. A user error (``user_errors``, or a missing optional package: the line says which
     extra installs it) ends with one line ``<recipe>: error: <message>`` and status 2; anything else is a
     bug and keeps its traceback (so does every error with OMNI_TRACEBACK=1)."""
-    from omni.cli import plain_warnings
+    from omni.console import plain_warnings
     from omni.deps import install_hint
     from omni.train import TrainingInterrupted
 

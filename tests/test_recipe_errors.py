@@ -228,14 +228,14 @@ def test_max_corrupt_fraction_reaches_the_shard_readers(tmp_path, monkeypatch):
                        ("whisper", lambda r, cfg: r.main(["--preset", "tiny", "--data", str(tmp_path), "--set",
                                                           "max_corrupt_fraction=0.25"]))):
         recipe, seen = load(name), {}
-        monkeypatch.setattr(recipe, "read_manifest", lambda path: manifest)
+        monkeypatch.setattr(recipe, "read_manifest", lambda path, **kw: manifest)
         monkeypatch.setattr(recipe, "ShardLoader", fake_loader(seen))
         cfg = recipe.parse_args(["--preset", "tiny", "--data", str(tmp_path), "--set", "max_corrupt_fraction=0.25"])
         with pytest.raises(Stop):
             call(recipe, cfg)
         assert seen["max_corrupt_fraction"] == 0.25, name
     dt, seen = load("decision_transformer"), {}
-    monkeypatch.setattr(dt, "read_manifest", lambda path: {})
+    monkeypatch.setattr(dt, "read_manifest", lambda path, **kw: {})
     monkeypatch.setattr(dt, "load_episodes", fake_loader(seen))
     with pytest.raises(Stop):
         dt.load_data(dt.parse_args(["--preset", "tiny", "--data", str(tmp_path), "--set", "max_corrupt_fraction=0.25"]))
