@@ -260,6 +260,7 @@ def test_cli_timestamps_tokens(biased, tmp_path, capsys):
                                       verbose=None)
     assert [(round(s["start"], 6), round(s["end"], 6), s["text"]) for s in rows[0]["segments"]] == [
         (round(s["start"], 6), round(s["end"], 6), s["text"].strip()) for s in expected["segments"] if s["text"].strip()]
+    assert rows[0]["text"] == expected["text"].strip()
     # omni's own prompt (no config prompt): the model was never trained on timestamp tokens, one line says so
     config, sd, toks = from_openai(peer.state_dict(), SMALL)
     plain = write_export(({k: v for k, v in config.items() if k != "prompt"}, sd, toks), tmp_path / "plain")

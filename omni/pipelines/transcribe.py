@@ -498,6 +498,11 @@ def _text(text_tok: Any, ids: Sequence[int], timestamp_begin: int | None) -> str
     return text_tok.decode([i for i in ids if timestamp_begin is None or i < timestamp_begin]).strip()
 
 
+def _file_text(text_tok: Any, windows: Sequence[Window], timestamp_begin: int | None) -> str:
+    """A file's text as whisper.transcribe gives it: every segment's tokens decoded at once (no space added)."""
+    return _text(text_tok, [i for w in windows for _, _, ids in w.segments for i in ids], timestamp_begin)
+
+
 @torch.no_grad()
 def transcribe_waveforms(model: Seq2SeqDecoder, audio_tok: AudioTokenizer, text_tok: TextTokenizer,
                          waves: Sequence[Tensor], *, keys: Sequence[str] | None = None, batch_size: int = 16,
@@ -534,10 +539,11 @@ def _words_in(segments: Sequence[tuple[float, float, list[int]]], text_tok: Any,
 
 
 def _timed_tokens(files: list[list[Window]], waves: Sequence[Tensor], parts: Parts, *, words: bool,
-                  batch_size: int, keep_alignment: bool) -> list[TimedTranscript]:
+                  batch_size: int, keep_alignment: bool, whisper_text: bool = False) -> list[TimedTranscript]:
     """Decoded windows with timestamp-token segments -> one TimedTranscript (method "tokens") per file, word times
     inside the segments from cross-attention (``time_windows``: the window's text teacher-forced after the
-    <|notimestamps|> prompt, as whisper's word timestamps do)."""
+    <|notimestamps|> prompt, as whisper's word timestamps do). The text: the windows' texts joined by a space, or
+    with ``whisper_text`` all the tokens decoded at once (whisper.transcribe's text)."""
     model, audio_tok, text_tok = parts.model, parts.audio_tok, parts.text_tok
     sr = audio_tok.sample_rate
     flat = [w for windows in files for w in windows]
@@ -549,8 +555,9 @@ def _timed_tokens(files: list[list[Window]], waves: Sequence[Tensor], parts: Par
     out = []
     for c, windows in enumerate(files):
         segments = [s for w in windows for s in _words_in(w.segments, text_tok, per_window[id(w)][1][0])]
-        out.append(TimedTranscript(" ".join(per_window[id(w)][0].strip() for w in windows
-                                            if per_window[id(w)][0].strip()),
+        text = (_file_text(text_tok, windows, model.timestamp_begin) if whisper_text else
+                " ".join(per_window[id(w)][0].strip() for w in windows if per_window[id(w)][0].strip()))
+        out.append(TimedTranscript(text,
                                    segments, "tokens", waves[c].shape[0] / sr,
                                    [per_window[id(w)][1][1] for w in windows if per_window[id(w)][1][1] is not None]))
     return out
@@ -604,7 +611,9 @@ def transcribe_timed(model: Any, audio_tok: Any, text_tok: Any, waves: Sequence[
         mine = range(k, k + len(windows))
         k += len(windows)
         segments = [s for i in mine for s in segment_words(timed[i][0], max_chars, max_gap)]
-        result.append(TimedTranscript(" ".join(texts[i] for i in mine if texts[i]), segments, how,
+        text = (_file_text(text_tok, windows, tb) if isinstance(policy, WhisperSeek)
+                else " ".join(texts[i] for i in mine if texts[i]))
+        result.append(TimedTranscript(text, segments, how,
                                       waves[c].shape[0] / sr, [timed[i][1] for i in mine if timed[i][1] is not None]))
     return result
 
@@ -704,7 +713,7 @@ def transcribe_files(checkpoint: str | os.PathLike, files: Sequence[str | os.Pat
         if seek is not None:
             decoded = long_form(parts, list(waves.values()), seek, WhisperDecode(model, text_tok, seek), keys=keys)
             out = _timed_tokens(decoded, list(waves.values()), parts, words=True, batch_size=batch_size,
-                                keep_alignment=keep)
+                                keep_alignment=keep, whisper_text=True)
         else:
             out = transcribe_timestamp_tokens(model, audio_tok, text_tok, list(waves.values()), keep_alignment=keep,
                                               **batch)
