@@ -301,7 +301,7 @@ def test_recipes_report_a_remote_error_in_one_line_with_status_2(http, http_serv
 
 def test_read_manifest_by_url_checks_the_kind(http):
     assert read_manifest(f"{http}/ds/manifest.json", kind="images")["builder"] == "fashion-mnist"
-    with pytest.raises(DatasetError, match=rf"^{http}/ds is a dataset of images .* where speech are expected"):
+    with pytest.raises(DatasetError, match=rf"^{http}/ds is a dataset of images .* where a dataset of speech is expected"):
         read_manifest(f"{http}/ds", kind="speech")
 
 
@@ -314,9 +314,25 @@ def test_a_missing_s3fs_names_the_extra(tmp_path, monkeypatch):
     from omni.deps import install_hint
 
     monkeypatch.setitem(sys.modules, "s3fs", None)
+    hint = 's3fs is not installed: pip install -e ".[remote]" (from the omni checkout)'
     with pytest.raises(ImportError) as info:
         loader("s3://bucket/ds", tmp_path)
-    assert install_hint(info.value) == 's3fs is not installed: pip install -e ".[remote]" (from the omni checkout)'
+    assert install_hint(info.value) == hint
+    # in a data worker (counts given: nothing is fetched before the workers start) the same line reaches the loader
+    with pytest.raises(ImportError) as info:
+        epoch(loader(["s3://bucket/a.tar", "s3://bucket/b.tar"], tmp_path, counts=[3, 4], num_workers=2))
+    assert install_hint(info.value) == hint
+
+
+def test_a_download_killed_midway_leaves_nothing_a_later_run_trusts(site, http, http_server, tmp_path):
+    cache = ShardCache(options(tmp_path))
+    entry = cache.entry(f"{http}/ds/train-000000.tar", read_manifest(site / "ds")["splits"]["train"]["shards"][0]["sha256"])
+    entry.parent.mkdir(parents=True)
+    entry.with_name(entry.name + ".part").write_bytes(b"half a shard from a killed run")
+    entry.with_name(entry.name + ".lock").touch()
+    assert epoch(loader(f"{http}/ds", tmp_path, seed=0)) == epoch(loader(site / "ds", seed=0))
+    assert sorted(p.name[21:] for p in entry.parent.glob("*.part")) == []
+    assert entry.read_bytes() == (site / "ds" / "train-000000.tar").read_bytes()
 
 
 # ------------------------------------------------------------------------------------------------

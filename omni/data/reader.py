@@ -63,6 +63,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from omni.data.remote import RemoteOptions, ShardCache, expand, is_dataset_url, is_remote, join_url, local_path
 from omni.data.shards import MANIFEST_NAME, DatasetError, read_manifest, sha256_file
+from omni.deps import MissingDependency
 from omni.files import DiskFullError, NotWritableError
 
 logger = logging.getLogger(__name__)
@@ -671,8 +672,9 @@ class _EpochBatches(IterableDataset):
             for j in range(self.start + wid, plan.num_batches, nw):
                 try:
                     item = _make_batch(plan, reader, j)
-                except (DatasetError, OSError) as exc:
-                    if info is None or not isinstance(exc, (DatasetError, DiskFullError, NotWritableError)):
+                except (DatasetError, OSError, MissingDependency) as exc:
+                    if info is None or not isinstance(exc, (DatasetError, DiskFullError, NotWritableError,
+                                                            MissingDependency)):
                         raise
                     # torch re-raises a worker's exception with its traceback in the message: hand the
                     # one-line error to the loader instead, which raises it in the training process.

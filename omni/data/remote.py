@@ -197,8 +197,12 @@ def _http_once(url: str, sink: _Sink, timeout: float) -> None:
     except (urllib.error.URLError, OSError, http.client.HTTPException) as exc:
         raise _Transient(f"{type(exc).__name__}: {getattr(exc, 'reason', exc)}") from None
     with response:
-        if sink.size and response.status != 206:  # the server ignored the Range: start over
-            sink.restart()
+        if sink.size:
+            start = re.match(r"bytes (\d+)-", response.headers.get("Content-Range", ""))
+            if response.status != 206 or start is None or int(start.group(1)) != sink.size:
+                sink.restart()  # the server ignored the Range (or answered another one): start over
+                if response.status == 206:
+                    raise _Transient("the server answered a Range request with another range")
         length = response.headers.get("Content-Length")
         expected = sink.size + int(length) if length is not None and length.isdigit() else None
         while True:
