@@ -189,7 +189,7 @@ def trunk_keys() -> dict[str, Key]:
 # The entries recipes share: type, range and help by name, so a recipe's dict gives only the default.
 RULES: dict[str, Key] = dict(
     out=Key(type=str, help="output directory: checkpoints/, logs/ (TensorBoard), final/ (the export)"),
-    data=Key(type=(str, None), help="dataset directory (manifest.json + shards)"),
+    data=Key(type=(str, None), help="dataset directory or URL (https://, s3://, gs://: manifest.json + shards)"),
     text=Key(type=(list, None), check=NON_EMPTY, each=Key(type=str),
              help="the text corpus: UTF-8 text files and/or folders of them (their .txt/.text/.md files) or the "
                   "janeaustenr package folder; None: Jane Austen's novels (r-cran-janeaustenr)"),
