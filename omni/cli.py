@@ -14,18 +14,19 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, NoReturn, Sequence
 
-from omni.console import UsageError, number, one_line, plain_warnings, writable_dir, write_error, writing
+from omni.console import (
+    UsageError,
+    number,
+    one_line,
+    plain_warnings,
+    writable_dir,
+    write_error,
+    writing,
+)
+from omni.export_kinds import check_command, describe, generation_head, is_multitask
 
 _positive_int = number(int, at_least=1)
 _finite_float = number(float)
-
-# Builders of the recipes' exports: what they make and which command reads it.
-_KNOWN_BUILDERS = {
-    "omni.vision:build_image_classifier": ("an image classifier", "recipes/vit.py", "predict"),
-    "omni.speech:build_speech_recognizer": ("a speech recognizer", "recipes/whisper.py", "transcribe"),
-    "omni.rl:build_decision_transformer": ("a decision transformer", "recipes/decision_transformer.py", None),
-}
-
 
 class _Parser(argparse.ArgumentParser):
     """argparse with one-line usage errors: "omni predict: error: ... (see omni predict --help)", status 2."""
@@ -70,46 +71,14 @@ def _device(text: str) -> str:
 
 
 # -- exports ------------------------------------------------------------------------------------------------
-def _fits(config: dict[str, Any]) -> tuple[str, list[str]]:
-    """(what the export is, naming its builder; the commands that read it)."""
-    builder = config.get("builder")
-    if builder in _KNOWN_BUILDERS:
-        what, recipe, command = _KNOWN_BUILDERS[builder]
-        return f"{what} export (builder {builder!r}, {recipe})", [command] if command else []
-    if builder != "omni":
-        return (f"an export of builder {builder!r}" if builder else "an export that names no builder"), []
-    from omni.speech import speech_task
-    from omni.vision import image_task
-
-    def lm_head(config: dict[str, Any]) -> str | None:  # omni generate: a text tokenizer and an LM head
-        heads = config.get("heads", {}).values()
-        lm = "text" in config.get("tokenizers", []) and any(isinstance(h, dict) and h.get("type") == "lm"
-                                                            for h in heads)
-        return "lm" if lm else None
-
-    commands = []
-    for command, finds in (("predict", image_task), ("transcribe", speech_task), ("generate", lm_head)):
-        try:
-            if finds(config) is not None:
-                commands.append(command)
-        except ValueError:  # several candidate tasks: the command itself says so
-            commands.append(command)
-    tasks = ", ".join(f"{name} ({task.get('kind')})" for name, task in config.get("tasks", {}).items())
-    if not tasks:
-        return "an OmniModel export (builder 'omni') that records no tasks", commands
-    return f"a multitask export (builder 'omni', recipes/multimodal.py; tasks {tasks})", commands
-
-
 def _check_export(command: str, checkpoint: str | Path) -> None:
-    """Refuse an export that ``omni <command>`` cannot read, naming its builder and the command that fits."""
+    """Refuse an export that ``omni <command>`` cannot read, naming its kind and the command that fits."""
     from omni.export import load_config
 
-    what, commands = _fits(load_config(checkpoint))
-    if not commands:
-        raise UsageError(f"{checkpoint} is {what}: none of `omni predict`, `omni transcribe`, `omni generate` "
-                         "reads it")
-    if command not in commands:
-        raise UsageError(f"{checkpoint} is {what}, which `omni {command}` does not read: use `omni {commands[0]}`")
+    try:
+        check_command(load_config(checkpoint), command, str(checkpoint))
+    except ValueError as exc:
+        raise UsageError(str(exc)) from exc
 
 
 def _export_errors() -> tuple[type[BaseException], ...]:
@@ -199,8 +168,8 @@ def _predict(args: argparse.Namespace) -> int:
 
 
 def _transcribe(args: argparse.Namespace) -> int:
-    from omni.pipelines.transcribe import transcribe_files
     from omni.files import output_paths, write_atomic
+    from omni.pipelines.transcribe import transcribe_files
     from omni.transcript_formats import render, transcript_json
 
     if args.format in ("srt", "vtt") and len(args.files) > 1 and args.output_dir is None:
@@ -230,10 +199,10 @@ def _transcribe(args: argparse.Namespace) -> int:
         config = load_config(checkpoint)
         # _check_export let through a speech recognizer (cross-attention, maybe CTC) or a multitask export's
         # transcribe task (builder "omni": a prefix-LM, timed by its text-to-audio self-attention)
-        prefix_lm = config.get("builder") == "omni"
+        prefix_lm = is_multitask(config)
         timed = args.format != "txt" or args.alignment is not None  # txt alone needs no times
         if prefix_lm and args.timestamps not in ("auto", "attention"):
-            raise UsageError(f"--timestamps {args.timestamps}: {checkpoint} is {_fits(config)[0]}, whose prefix-LM "
+            raise UsageError(f"--timestamps {args.timestamps}: {checkpoint} is {describe(config)[0]}, whose prefix-LM "
                              "transcriber is timed by its text-to-audio attention: use --timestamps attention (or "
                              "auto)")
         if args.timestamps == "ctc" and not config.get("ctc"):
@@ -245,9 +214,8 @@ def _transcribe(args: argparse.Namespace) -> int:
                                    timing={"method": args.timestamps, "keep_alignment": bool(pictures)})
         if pictures:
             from omni.alignment_plot import write_alignment_png
-            from omni.pipelines.transcribe import read_audio_file
-
             from omni.export import load_tokenizers
+            from omni.pipelines.transcribe import read_audio_file
 
             sr = load_tokenizers(checkpoint)["audio"].sample_rate
             for f, result in zip(args.files, results):
@@ -303,40 +271,6 @@ def _convert(args: argparse.Namespace) -> int:
     return 0
 
 
-def _generation_head(config: dict[str, Any], checkpoint: Path, head: str | None) -> str | None:
-    """The head ``omni generate`` continues text with: ``head`` when it is one of the export's text LM heads, else
-    its only one; None where the export has no "lm" head at all (``load_lm`` then says what the export is).
-    UsageError (one line listing the heads that generate) for a head that is no text LM: a transcribe task's CTC
-    head and its audio-conditioned text head are "lm" heads too, but only an LM task's head continues text."""
-    heads = {n: s for n, s in (config.get("heads") or {}).items() if isinstance(s, dict)}
-    tasks = {n: t for n, t in (config.get("tasks") or {}).items() if isinstance(t, dict)}
-    lm = [n for n, s in heads.items() if s.get("type") == "lm"]
-    if not lm:
-        return head  # not a text LM export: load_lm's message
-    # an export that records its tasks (recipes, converted GPT-2s): the heads of its LM tasks; else every LM head
-    valid = [n for n in lm if tasks.get(n, {}).get("kind") == "lm"] if tasks else lm
-
-    def what(name: str) -> str:
-        transcriber = next((t for t, task in tasks.items() if task.get("kind") == "transcribe"
-                            and name == f"{t}_ctc"), None)  # omni.tasks.TranscribeTask names its CTC head so
-        if name not in heads:
-            return "no head of that name"
-        if transcriber is not None:
-            return f"the CTC head of the transcribe task {transcriber!r} (audio frames -> characters)"
-        if name in tasks:
-            return f"the head of the {tasks[name].get('kind')} task {name!r}"
-        return f"a {heads[name].get('type')!r} head"
-
-    listed = f"the text LM heads of {checkpoint}: {', '.join(valid) or 'none'}"
-    if head is not None and head not in valid:
-        raise UsageError(f"--head {head}: {what(head)}, which does not generate text; {listed}")
-    if head is None and len(valid) != 1:
-        raise UsageError(f"{checkpoint} has several text LM heads: name one with --head ({', '.join(valid)})"
-                         if valid else f"{checkpoint} has no text LM head to generate with; its LM heads are "
-                         + "; ".join(f"{n}: {what(n)}" for n in lm))
-    return head or valid[0]
-
-
 def _generate(args: argparse.Namespace) -> int:
     """omni generate --checkpoint EXPORT PROMPT...: each prompt's continuation by a text LM export, greedy (Hugging
     Face's do_sample=False) or sampled with --temperature (and --top-k, --seed)."""
@@ -353,7 +287,7 @@ def _generate(args: argparse.Namespace) -> int:
         device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
         from omni.export import load_config
 
-        head = _generation_head(load_config(checkpoint), checkpoint, args.head)
+        head = generation_head(load_config(checkpoint), args.head, where=str(checkpoint), option="--head")
         lm = load_lm(checkpoint, device=device, head=head)
     except _export_errors() as exc:  # not an export, not a text LM, damaged files
         message = one_line(exc)

@@ -32,7 +32,14 @@ from typing import Any, Iterator, Sequence
 import torch
 from torch import Tensor, nn
 
-from omni.decoding import CachedInference, Decoding, DecodingOptions, FullInference, Greedy
+from omni.decoding import (
+    CachedInference,
+    Decoding,
+    DecodingOptions,
+    FullInference,
+    Greedy,
+)
+from omni.export_kinds import generation_head
 from omni.interfaces import CausalLM
 from omni.model import OmniModel
 from omni.tokenizers.text import TextTokenizer
@@ -213,33 +220,16 @@ def generate(lm: TextLM | str | os.PathLike, prompts: str | Sequence[str], **opt
     return [lm.decode(ids) for ids in generate_ids(lm, [lm.encode(t) for t in texts], **options)]
 
 
-def lm_head_name(config: dict[str, Any], head: str | None = None) -> str:
-    """The LM head of an export config to generate with: ``head`` (checked), else its only "lm" head. ValueError
-    (one line) when the export is no text LM or has several LM heads and none is named."""
-    heads = {name: spec for name, spec in config.get("heads", {}).items() if isinstance(spec, dict)}
-    lm = [name for name, spec in heads.items() if spec.get("type") == "lm"]
-    if "text" not in config.get("tokenizers", []) or not lm:
-        raise ValueError(f"not a text language model export (builder {config.get('builder')!r}, heads "
-                         f"{', '.join(heads) or 'none'}): it has no text tokenizer and LM head")
-    if head is not None:
-        if head not in lm:
-            raise ValueError(f"no LM head {head!r} in this export; its LM heads: {', '.join(lm)}")
-        return head
-    if len(lm) > 1:
-        raise ValueError(f"this export has several LM heads ({', '.join(lm)}): name one (head=, --head)")
-    return lm[0]
-
-
 def load_lm(export: str | os.PathLike, *, device: str | torch.device = "cpu", head: str | None = None) -> TextLM:
     """A text LM export (a converted GPT-2, or an omni run with an LM task) as a TextLM in eval mode on
     ``device``; ``head`` names the LM head when the export has several."""
     from omni.export import load_config, load_pretrained, load_tokenizers
 
-    name = lm_head_name(load_config(export), head)
+    name = generation_head(load_config(export), head, where=os.fspath(export))
     model = load_pretrained(export, device=device)
     if not isinstance(model, OmniModel):
         raise ValueError(f"the export builds a {type(model).__name__}, not an OmniModel")
     return TextLM(model, name, load_tokenizers(export)["text"])
 
 
-__all__ = ["PromptedLM", "Sampler", "TextLM", "generate", "generate_ids", "lm_head_name", "load_lm"]
+__all__ = ["PromptedLM", "Sampler", "TextLM", "generate", "generate_ids", "load_lm"]

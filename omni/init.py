@@ -26,12 +26,14 @@ from typing import Any, Callable, Mapping
 
 from torch import Tensor, nn
 
+from omni.export_kinds import DECISION_TRANSFORMER, MULTITASK, SPEECH_RECOGNIZER
 from omni.interop import Export
 from omni.trunk import TrunkConfig
 
-DT_BUILDER = "omni.rl:build_decision_transformer"
-OMNI_BUILDER = "omni"  # OmniModel: recipes/multimodal.py's export
-SPEECH_BUILDER = "omni.speech:build_speech_recognizer"  # SpeechRecognizer: recipes/whisper.py's, converted Whispers
+# the export kinds (omni.export_kinds) the recipes start from, under the names the recipes import
+DT_BUILDER = DECISION_TRANSFORMER
+OMNI_BUILDER = MULTITASK
+SPEECH_BUILDER = SPEECH_RECOGNIZER
 
 
 def read_init(path: str | os.PathLike, builders: str | tuple[str, ...], recipe: str, takes: str,
@@ -39,8 +41,13 @@ def read_init(path: str | os.PathLike, builders: str | tuple[str, ...], recipe: 
     """(config, state dict, tokenizers) of ``path``; ValueError (one line) when it is not a model of one of
     ``builders`` (``takes`` says what ``recipe`` starts from) or cannot be read. A run directory is read as its
     export (printed); a run's checkpoint is refused naming the run's export (as ``omni predict`` does)."""
-    from omni.export import (CHECKPOINT_MARKER, CONFIG_NAME, RUN_CHECKPOINT_DIR, RUN_EXPORT_DIR,
-                             resolve_export_dir)
+    from omni.export import (
+        CHECKPOINT_MARKER,
+        CONFIG_NAME,
+        RUN_CHECKPOINT_DIR,
+        RUN_EXPORT_DIR,
+        resolve_export_dir,
+    )
     from omni.interop import ConversionError, read_model
 
     builders = (builders,) if isinstance(builders, str) else builders

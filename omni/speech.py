@@ -45,8 +45,18 @@ import torch.nn.functional as F
 from rapidfuzz.distance import Levenshtein
 from torch import Tensor, nn
 
-from omni.decoding import (GNMTRanker, GraphedGreedyDecoder, Ranker, SuppressAtStart, SuppressTokens, TimestampRules,
-                           WhisperRanker, beam_search, greedy_decode)
+from omni.decoding import (
+    GNMTRanker,
+    GraphedGreedyDecoder,
+    Ranker,
+    SuppressAtStart,
+    SuppressTokens,
+    TimestampRules,
+    WhisperRanker,
+    beam_search,
+    greedy_decode,
+)
+from omni.export_kinds import speech_task  # noqa: F401 (the pipelines' import; the table owns it)
 from omni.heads import LMHead
 from omni.interfaces import Seq2SeqDecoder
 from omni.tokenizers.audio import AudioTokenizer
@@ -468,21 +478,6 @@ def transcribe_batch(model: Seq2SeqDecoder, text_tok: TextTokenizer, audio: Tens
 
 # ----------------------------------------------------------------------------------------------------
 # Exports
-
-
-def speech_task(config: dict[str, Any]) -> str | None:
-    """The task (= LM head) of a multitask export (builder "omni", recipes/multimodal.py) that transcribes speech:
-    its one transcribe task, or among several the one named "asr"; None when it has none or lacks the audio
-    and text tokenizers."""
-    if not {"audio", "text"} <= set(config.get("tokenizers", [])):
-        return None
-    heads = config.get("heads", {})
-    names = [name for name, task in config.get("tasks", {}).items()
-             if task.get("kind") == TASK and heads.get(name, {}).get("type") == "lm"]
-    if len(names) > 1 and "asr" not in names:
-        raise ValueError(f"the export has transcribe tasks {', '.join(names)} and none is named 'asr': "
-                         "which one to decode is not recorded")
-    return names[0] if len(names) == 1 else "asr" if names else None
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from omni.export import load_pretrained, load_tokenizers
+from omni.export_kinds import IMAGE_CLASSIFIER, image_task, is_multitask
 from omni.files import output_paths
 from omni.heads import HEAD_NORM_EPS, ClassificationHead, Pool, pool_segments
 from omni.model import CarriedTensors
@@ -28,8 +29,7 @@ from omni.tokenizers.base import check_regular_file
 from omni.tokenizers.image import ImageTokenizer, patchify
 from omni.trunk import Trunk, TrunkConfig
 
-
-BUILDER = "omni.vision:build_image_classifier"
+BUILDER = IMAGE_CLASSIFIER  # the export kind this module builds (omni.export_kinds)
 POSITION_TABLE = "trunk.absolute.table.weight"  # the learned 1-D position table (trunk positions "learned_1d")
 
 
@@ -244,20 +244,6 @@ def mixup_cutmix(images: Tensor, labels: Tensor, n_classes: int, alpha: float, c
 # Prediction (omni predict)
 
 
-def image_task(config: dict[str, Any]) -> str | None:
-    """The task (= head) of a multitask export (builder "omni", recipes/multimodal.py) that classifies images: its
-    one classification task, or among several the one named "image"; None when it has none or no image tokenizer."""
-    if "image" not in config.get("tokenizers", []):
-        return None
-    heads = config.get("heads", {})
-    names = [name for name, task in config.get("tasks", {}).items()
-             if task.get("kind") == "classify" and heads.get(name, {}).get("type") == "classification"]
-    if len(names) > 1 and "image" not in names:
-        raise ValueError(f"the export has classification tasks {', '.join(names)} and none is named 'image': "
-                         "which one classifies images is not recorded")
-    return names[0] if len(names) == 1 else "image" if names else None
-
-
 def _image_classifier(checkpoint: str | Path, device: str
                       ) -> tuple[Callable[[Segment], Tensor], ImageTokenizer, list[str], nn.Module, str | None]:
     """(image segment -> logits (classes,), image tokenizer, class names, the model, the head name of a multitask
@@ -267,8 +253,8 @@ def _image_classifier(checkpoint: str | Path, device: str
 
     config = load_config(checkpoint)
     builder = config.get("builder")
-    task = image_task(config) if builder == "omni" else None
-    if builder == "omni" and task is None:
+    task = image_task(config) if is_multitask(config) else None
+    if is_multitask(config) and task is None:
         raise ValueError(f"{checkpoint}: the multitask export has no image classification task")
     model = load_pretrained(checkpoint, device=device)
     tokenizer = load_tokenizers(checkpoint).get("image")

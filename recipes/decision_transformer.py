@@ -217,7 +217,7 @@ def train_one(cfg: dict, tok, episodes: list[dict], method: str, seed: int, devi
     config = train_config(cfg, output_dir=str(Path(cfg["out"]) / f"{method}-seed{seed}"), seed=seed,
                           warmup_steps=min(cfg["warmup_steps"], cfg["steps"]), cuda_graph=use_cuda_graph(cfg, state),
                           run_name=f"{method}-{seed}")
-    export = {"builder": "omni.rl:build_decision_transformer", "trunk": trunk.to_dict(), "use_returns": use_returns,
+    export = {"builder": DT_BUILDER, "trunk": trunk.to_dict(), "use_returns": use_returns,
               "env_id": cfg["env"], "method": method, **kept}
     hparams = {k: v for k, v in cfg.items() if k not in ("methods", "train_seeds")}  # this run's: resume checks them
     trainer = Trainer(model, loss_fn, loader, config, model_metrics_fn=rollouts,

@@ -50,13 +50,20 @@ import torch
 from torch import Tensor
 
 from omni.export import load_config, load_pretrained, save_pretrained
-from omni.interop import ConversionError, cast_tensors, check_tensors, read_directory, source_dtype
+from omni.export_kinds import MULTITASK
+from omni.interop import (
+    ConversionError,
+    cast_tensors,
+    check_tensors,
+    read_directory,
+    source_dtype,
+)
 from omni.interop.hf import HFFamily, register_hf_family, write_hf_files
 from omni.trunk import TrunkConfig
 
 MODEL_TYPE = "gpt2"
 SOURCE_FORMAT = "transformers:" + MODEL_TYPE
-BUILDER = "omni"  # the generic OmniModel builder: ``accepts`` tells a text LM export from the others
+BUILDER = MULTITASK  # the generic OmniModel builder: ``accepts`` tells a text LM export from the others
 HEAD = "lm"  # the LM head's (and the LMTask's) name in a converted export
 GPT2_VOCAB = 50257
 

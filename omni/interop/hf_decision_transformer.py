@@ -53,9 +53,16 @@ import torch
 from torch import Tensor
 
 from omni.export import load_config, load_pretrained, load_tokenizers, save_pretrained
+from omni.export_kinds import DECISION_TRANSFORMER
 from omni.interop import ConversionError, read_directory
-from omni.interop.gpt2 import (IGNORED_SUFFIXES, body_hf_config, body_tensor_names, body_trunk_options,
-                                check_body, named_pairs)
+from omni.interop.gpt2 import (
+    IGNORED_SUFFIXES,
+    body_hf_config,
+    body_tensor_names,
+    body_trunk_options,
+    check_body,
+    named_pairs,
+)
 from omni.interop.hf import HFFamily, register_hf_family, write_hf_files
 from omni.rl import DecisionTransformer, action_bounds, build_decision_transformer
 from omni.tokenizers.trajectory import TrajectoryTokenizer
@@ -120,7 +127,7 @@ def from_hf(state_dict: Mapping[str, Tensor], hf_config: Mapping[str, Any], *, c
     out[TYPE_EMBEDDING] = sd["encoder.wpe.weight"][0].clone()
     out["action_center"], out["action_scale"] = action_bounds(tok)
     out.update({f"carried.{name.replace('.', '/')}": sd[name].detach().clone() for name in CARRIED})
-    config = {"builder": "omni.rl:build_decision_transformer", "trunk": trunk.to_dict(), "use_returns": True,
+    config = {"builder": DECISION_TRANSFORMER, "trunk": trunk.to_dict(), "use_returns": True,
               "carried": {name: list(sd[name].shape) for name in CARRIED},
               **({} if hf_config.get("action_tanh", True) else {"action_squash": None}),
               "source": {"format": SOURCE_FORMAT, "config": dict(hf_config)}}
@@ -216,7 +223,7 @@ def write_hf(export: Path, out: Path, **options: Any) -> Path:
         raise ConversionError(f"{export}: {exc}") from exc
 
 
-register_hf_family(HFFamily(MODEL_TYPE, read_hf, write_hf, builders=("omni.rl:build_decision_transformer",)))
+register_hf_family(HFFamily(MODEL_TYPE, read_hf, write_hf, builders=(DECISION_TRANSFORMER,)))
 
 __all__ = ["convert_directory", "from_hf", "read_hf", "to_hf", "trajectory_tokenizer", "trunk_config",
            "write_hf", "write_hf_directory"]

@@ -49,9 +49,20 @@ import torch
 from torch import Tensor, nn
 
 from omni.deps import require
+from omni.export_kinds import IMAGE_CLASSIFIER
 from omni.heads import HEAD_NORM_EPS
-from omni.interop import (ConversionError, Converter, Export, check_tensors, names, read_config, read_directory,
-                          read_export, read_state_dict, register_converter)
+from omni.interop import (
+    ConversionError,
+    Converter,
+    Export,
+    check_tensors,
+    names,
+    read_config,
+    read_directory,
+    read_export,
+    read_state_dict,
+    register_converter,
+)
 from omni.tokenizers.image import ImageTokenizer
 from omni.trunk import TrunkConfig
 from omni.vision import POSITION_TABLE, ImageClassifier, head_options
@@ -280,7 +291,7 @@ def to_timm(config: Mapping[str, Any], state_dict: Mapping[str, Tensor], image: 
     """An image classifier export (config, state dict, tokenizer) -> ({"architecture", "model_args",
     "data_config", "label_names"}, timm state dict): ``timm.create_model(architecture, **model_args)`` loads the
     state dict (strict). ``arch`` defaults to the architecture the export was converted from."""
-    if config.get("builder") != "omni.vision:build_image_classifier" or image is None:
+    if config.get("builder") != IMAGE_CLASSIFIER or image is None:
         raise ConversionError(f"timm's ViT is an image classifier; the export's builder is {config.get('builder')!r}")
     source = config.get("source", {})
     recorded = source.get("config", {}) if source.get("format") == FORMAT else {}

@@ -65,9 +65,18 @@ from typing import Any, Mapping
 import torch
 from torch import Tensor
 
+from omni.export_kinds import SPEECH_RECOGNIZER
 from omni.files import sha256_file
-from omni.interop import (ConversionError, Converter, Export, check_tensors, names, read_directory, read_export,
-                          register_converter)
+from omni.interop import (
+    ConversionError,
+    Converter,
+    Export,
+    check_tensors,
+    names,
+    read_directory,
+    read_export,
+    register_converter,
+)
 from omni.interop.hf import HFFamily, register_hf_family, write_hf_files
 from omni.tokenizers.audio import AudioTokenizer
 from omni.tokenizers.text import TextTokenizer
@@ -76,7 +85,7 @@ from omni.trunk import TrunkConfig
 MODEL_TYPE = "whisper"
 HF_FORMAT = "transformers:" + MODEL_TYPE
 OPENAI_FORMAT = "openai-whisper"
-BUILDER = "omni.speech:build_speech_recognizer"
+BUILDER = SPEECH_RECOGNIZER
 DIMS = ("n_mels", "n_audio_ctx", "n_audio_state", "n_audio_head", "n_audio_layer", "n_vocab", "n_text_ctx",
         "n_text_state", "n_text_head", "n_text_layer")
 HOP, RATE = 160, 16000  # Whisper's front-end: 10 ms frames at 16 kHz, two frames per encoder position
