@@ -14,15 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, NoReturn, Sequence
 
-from omni.console import (
-    UsageError,
-    number,
-    one_line,
-    plain_warnings,
-    writable_dir,
-    write_error,
-    writing,
-)
+from omni.console import UsageError, number, one_line, plain_warnings, writable_dir, write_error, writing
 from omni.export_kinds import check_command, describe, generation_head, is_multitask
 
 _positive_int = number(int, at_least=1)

@@ -32,13 +32,7 @@ from typing import Any, Iterator, Sequence
 import torch
 from torch import Tensor, nn
 
-from omni.decoding import (
-    CachedInference,
-    Decoding,
-    DecodingOptions,
-    FullInference,
-    Greedy,
-)
+from omni.decoding import CachedInference, Decoding, DecodingOptions, FullInference, Greedy
 from omni.export_kinds import generation_head
 from omni.interfaces import CausalLM
 from omni.model import OmniModel

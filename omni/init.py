@@ -41,13 +41,8 @@ def read_init(path: str | os.PathLike, builders: str | tuple[str, ...], recipe: 
     """(config, state dict, tokenizers) of ``path``; ValueError (one line) when it is not a model of one of
     ``builders`` (``takes`` says what ``recipe`` starts from) or cannot be read. A run directory is read as its
     export (printed); a run's checkpoint is refused naming the run's export (as ``omni predict`` does)."""
-    from omni.export import (
-        CHECKPOINT_MARKER,
-        CONFIG_NAME,
-        RUN_CHECKPOINT_DIR,
-        RUN_EXPORT_DIR,
-        resolve_export_dir,
-    )
+    from omni.export import (CHECKPOINT_MARKER, CONFIG_NAME, RUN_CHECKPOINT_DIR, RUN_EXPORT_DIR,
+                             resolve_export_dir)
     from omni.interop import ConversionError, read_model
 
     builders = (builders,) if isinstance(builders, str) else builders

@@ -45,17 +45,8 @@ import torch.nn.functional as F
 from rapidfuzz.distance import Levenshtein
 from torch import Tensor, nn
 
-from omni.decoding import (
-    GNMTRanker,
-    GraphedGreedyDecoder,
-    Ranker,
-    SuppressAtStart,
-    SuppressTokens,
-    TimestampRules,
-    WhisperRanker,
-    beam_search,
-    greedy_decode,
-)
+from omni.decoding import (GNMTRanker, GraphedGreedyDecoder, Ranker, SuppressAtStart, SuppressTokens, TimestampRules,
+                           WhisperRanker, beam_search, greedy_decode)
 from omni.export_kinds import speech_task  # noqa: F401 (the pipelines' import; the table owns it)
 from omni.heads import LMHead
 from omni.interfaces import Seq2SeqDecoder
