@@ -128,11 +128,16 @@ def serve_http(root: Path):
     from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 
     class Quiet(SimpleHTTPRequestHandler):
+        def do_GET(self):
+            self.server.gets += 1
+            super().do_GET()
+
         def log_message(self, *a):
             pass
 
     server = ThreadingHTTPServer(("127.0.0.1", 0), partial(Quiet, directory=str(root)))
     server.daemon_threads = True
+    server.gets = 0
     threading.Thread(target=server.serve_forever, daemon=True).start()
     return server
 
@@ -211,8 +216,22 @@ def remote_rows(args, label: str) -> None:
         print("\nwarm epochs one by one (samples/s): " + "; ".join(
             f"{name}: {', '.join(f'{n / secs:,.0f}' for n, secs, _ in warm[name])}" for name, _ in sources))
 
-        # Resume mid-epoch: time to the first batch (the plan addresses it directly; only its shards are fetched).
+        # The least disk: a cache limit of 0 keeps only the shards open in some process (an evicted shard stays
+        # readable through its open descriptor), so every epoch fetches again, once per data worker at most.
         url = sources[1][1]
+        print("\n| HTTP, cache limit 0 (only shards in use on disk) | samples/s | shard GETs / shards | cache after |\n"
+              "|---|---|---|---|")
+        shards = len(list(dataset.glob("train-*.tar")))
+        small = ShardLoader(url, decode, stack, batch_size=512, num_workers=w, seed=0,
+                            remote=RemoteOptions(cache_dir=str(tmp / "zero"), cache_bytes=0))
+        for which in ("epoch 0", "epoch 1"):
+            gets = http.gets
+            n, secs = run(small, lambda b: b[0].shape[0])
+            print(f"| {which} | {n / secs:,.0f} | {http.gets - gets} / {shards} | "
+                  f"{ShardCache(small.cfg.remote).usage() / 1e6:.0f} MB |", flush=True)
+
+
+        # Resume mid-epoch: time to the first batch (the plan addresses it directly; only its shards are fetched).
         print("\n| resume at batch K/2 of epoch 0 | time to the first batch |\n|---|---|")
         for name, source, cache in (("ShardLoader, local folder", str(dataset), tmp / "x"),
                                     ("ShardLoader, HTTP, cold cache", url, tmp / "resume-cold"),

@@ -289,6 +289,17 @@ def test_the_cache_stays_under_its_limit_and_still_gives_the_same_batches(site, 
     assert len(shard_gets(http_server)) == 5  # windows of one shard: each fetched once even so
 
 
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_zero_byte_cache_keeps_only_the_shard_in_use(site, http, http_server, tmp_path, num_workers):
+    nothing = loader(f"{http}/ds", tmp_path, seed=4, batch_size=50, num_workers=num_workers,
+                     remote_kw={"cache_bytes": 0})
+    assert epoch(nothing) == epoch(loader(site / "ds", seed=4, batch_size=50))
+    shard = max((site / "ds" / f"train-{i:06d}.tar").stat().st_size for i in range(5))
+    assert ShardCache(nothing.cfg.remote).usage() <= shard
+    # open files outlive their eviction: each process fetches a shard at most once an epoch
+    assert 5 <= len(shard_gets(http_server)) <= 5 * max(1, num_workers)
+
+
 def test_recipes_report_a_remote_error_in_one_line_with_status_2(http, http_server, tmp_path, capsys, monkeypatch):
     from omni.config import run_recipe
 
