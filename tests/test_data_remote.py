@@ -316,7 +316,10 @@ def test_read_manifest_by_url_checks_the_kind(http):
         read_manifest(f"{http}/ds", kind="speech")
 
 
-def test_pipe_that_fails_is_one_line(tmp_path):
+def test_pipe_that_fails_is_one_line_and_a_chatty_one_still_works(site, tmp_path):
+    # 300 kB on stderr before any byte on stdout: a stderr pipe read after stdout would block both processes
+    chatty = loader(f"pipe:head -c 300000 /dev/zero >&2; cat {site}/ds/train-000000.tar", tmp_path)
+    assert chatty.num_samples == 200
     with pytest.raises(DatasetError, match=r"^'pipe:cat /no/such.tar' exited with status 1: cat: /no/such.tar: No such"):
         loader("pipe:cat /no/such.tar", tmp_path)
 

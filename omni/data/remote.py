@@ -34,6 +34,7 @@ import os
 import random
 import re
 import subprocess
+import tempfile
 import time
 import urllib.error
 import urllib.parse
@@ -245,7 +246,11 @@ def _fsspec_once(url: str, sink: _Sink, options: RemoteOptions) -> None:
         raise DatasetError(f"{url}: not found") from None
     except PermissionError as exc:
         raise DatasetError(f"{url}: access refused ({exc}): check the credentials") from None
-    except Exception as exc:  # OSError, and back-end specific network errors (aiohttp, botocore): worth a retry
+    except Exception as exc:
+        if "Credentials" in type(exc).__name__:  # botocore's NoCredentialsError / PartialCredentialsError
+            raise DatasetError(f"{url}: no usable credentials ({exc}): set AWS_ACCESS_KEY_ID and "
+                               "AWS_SECRET_ACCESS_KEY, a profile, or storage options") from None
+        # OSError, and back-end specific network errors (aiohttp, botocore): worth a retry
         raise _Transient(f"{type(exc).__name__}: {exc}") from None
     if size is not None and sink.size != size:
         raise _Transient(f"read {sink.size} of {size} bytes")
@@ -255,16 +260,22 @@ def _pipe_once(url: str, sink: _Sink, timeout: float) -> None:
     """Run the command of ``pipe:CMD`` and keep its standard output; a failing command is not retried."""
     sink.restart()
     command = url[len("pipe:"):]
-    proc = subprocess.Popen(command, shell=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    try:
+
+    with tempfile.TemporaryFile() as errors:  # a file, not a pipe: a chatty stderr cannot block the command
+        proc = subprocess.Popen(command, shell=True, stdout=subprocess.PIPE, stderr=errors)
         assert proc.stdout is not None
-        while chunk := proc.stdout.read(_CHUNK):
-            sink.write(chunk)
-        err = proc.stderr.read().decode("utf-8", "replace").strip() if proc.stderr else ""
-    finally:
-        if proc.poll() is None:
+        try:
+            while chunk := proc.stdout.read(_CHUNK):
+                sink.write(chunk)
+        except BaseException:  # a full cache disk, Ctrl-C: the command must not outlive us
             proc.kill()
+            proc.wait()
+            raise
+        finally:
+            proc.stdout.close()
         rc = proc.wait()
+        errors.seek(0)
+        err = errors.read().decode("utf-8", "replace").strip()
     if rc != 0:
         last = err.splitlines()[-1] if err else "no message"
         raise DatasetError(f"{_describe(url)} exited with status {rc}: {last}")
