@@ -124,7 +124,7 @@ def _run_on_files(args: argparse.Namespace, files: Sequence[str], run: Callable[
 
 
 def _predict(args: argparse.Namespace) -> int:
-    from omni.vision import attention_paths, predict_files
+    from omni.pipelines.predict import attention_paths, predict_files
 
     pictures: dict[str, str] = {}
     if args.attention is not None:

@@ -286,11 +286,10 @@ def image_attention(model: nn.Module, images: Tensor | Segment, method: Literal[
     query:  "cls" (the CLS token's row) or "mean" (every query averaged); default: what the head pools ("cls"
             reads the CLS token, "mean" averages every token, CLS included). ``head`` names an OmniModel's
             classification head to read that from (default "mean")."""
-    from omni.model import OmniModel
-    from omni.multitask import MultitaskModel
+    from omni.model import HoldsOmniModel, OmniModel
     from omni.vision import ImageClassifier
 
-    model = model.omni if isinstance(model, MultitaskModel) else model
+    model = model.omni if isinstance(model, HoldsOmniModel) else model
     if not isinstance(model, (ImageClassifier, OmniModel)):
         raise TypeError(f"image_attention takes an ImageClassifier or an OmniModel, got {type(model).__name__}")
     if method not in ("rollout", "last"):

@@ -24,7 +24,7 @@ themselves take tensors (omni.heads): (N, d) rows, or tokens + segment ids for a
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, Protocol, Sequence, runtime_checkable
 
 import torch
 from torch import Tensor, nn
@@ -106,3 +106,12 @@ class OmniModel(nn.Module):
     def gather(hidden: Tensor, batch: PackedBatch, modality: str) -> Tensor:
         """The hidden states of one modality's tokens, (N_m, d), in packing order."""
         return packed_segments(hidden, batch, modality)[0]
+
+
+@runtime_checkable
+class HoldsOmniModel(Protocol):
+    """A model built around one OmniModel (omni.multitask.MultitaskModel: tasks over a shared ``omni``), for code
+    below the task layer that reads the OmniModel itself (omni.introspect) without importing the tasks."""
+
+    omni: OmniModel
+
