@@ -607,7 +607,7 @@ def check_corpus(text: list[str] | None) -> None:
     janeaustenr folder (``omni.data.builders_text.expand_inputs``, the reader every corpus goes through), or
     (None) the default corpus, Austen's novels, is installed; else one line naming the ``text`` entry."""
     if text is None:
-        from omni.tokenizers.text import austen_dir
+        from omni.data.corpora import austen_dir
 
         austen_dir(f"; or give your own (public-domain) text: {TEXT_OPTION}")
         return

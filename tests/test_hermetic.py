@@ -18,7 +18,7 @@ from omni.data.builders_speech import load_paragraphs
 from omni.data.builders_text import build_text
 from omni.data.builders_vision import build_fashion_mnist, locate_fashion_mnist
 from omni.data.shards import read_manifest
-from omni.tokenizers.text import austen_novels
+from omni.data.corpora import austen_novels
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -16,12 +16,12 @@ from conftest import write_janeaustenr
 
 from omni.segment import Role
 from omni.tokenizers import Tokenizer, TypeEmbedding, get_tokenizer
+from omni.data.builders_text import fit_default_asset
+from omni.data.corpora import austen_novels
 from omni.tokenizers.text import (
     SPECIAL_TOKENS,
     TextTokenizer,
-    austen_novels,
     default_asset_path,
-    fit_default_asset,
 )
 
 TRICKY = [

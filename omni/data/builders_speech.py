@@ -36,10 +36,10 @@ def load_paragraphs(text: Sequence[str | os.PathLike] | None) -> tuple[list[str]
     """Paragraphs of the text corpus and a description of it.
 
     ``text``: UTF-8 text files and/or folders holding the janeaustenr R package (read with
-    ``omni.tokenizers.text.austen_novels``); None means that package (``austen_dir()``).
+    ``omni.data.corpora.austen_novels``); None means that package (``austen_dir()``).
     """
     from omni.data.builders_text import expand_inputs, iter_documents
-    from omni.tokenizers.text import austen_dir, austen_novels, find_austen_data
+    from omni.data.corpora import austen_dir, austen_novels, find_austen_data
 
     if not text:
         text = [austen_dir("; or give your own (public-domain) text files: `omni data speech-synth --text FILE`, "

@@ -10,6 +10,7 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
+from omni.data.corpora import austen_dir, austen_novels, find_austen_data
 from omni.data.shards import MANIFEST_NAME, Build, fingerprint_files, read_manifest
 
 TEXT_SUFFIXES = (".txt", ".text", ".md")
@@ -34,8 +35,6 @@ def read_text_file(path: str | os.PathLike) -> str:
 def expand_inputs(paths: Sequence[str | os.PathLike]) -> list[Path]:
     """Files as given; folders -> their ``*.txt``/``*.text``/``*.md`` files (recursive, sorted).
     A folder holding the janeaustenr package or an omni dataset (manifest.json) stays a folder."""
-    from omni.tokenizers.text import find_austen_data  # lazily: it imports torch
-
     out: list[Path] = []
     for raw in paths:
         p = Path(raw)
@@ -59,8 +58,6 @@ def expand_inputs(paths: Sequence[str | os.PathLike]) -> list[Path]:
 def iter_documents(paths: Sequence[Path]) -> Iterator[tuple[str, str]]:
     """(name, text) per document: a file; each Austen novel (paragraphs joined by blank lines);
     each ``.txt`` sample of an omni dataset's shards (all splits)."""
-    from omni.tokenizers.text import austen_novels
-
     for p in paths:
         if p.is_dir() and (p / MANIFEST_NAME).is_file():
             manifest = read_manifest(p)
@@ -148,7 +145,6 @@ def build_text(
     """Text files (or the Austen novels: the default when ``src`` is empty) -> shards of
     ``<key>.txt`` chunks (``chunk_text``) and ``<key>.json`` (source document, chunk index), in
     corpus order; ``val_fraction`` of the chunks (seeded) form a ``val`` split."""
-    from omni.tokenizers.text import austen_dir
 
     if not 0.0 <= val_fraction < 1.0:
         raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
@@ -206,3 +202,20 @@ def fit_tokenizer(
     paths = expand_inputs(inputs)
     tok = TextTokenizer().fit((text for _, text in iter_documents(paths)), vocab_size=vocab_size, min_frequency=min_frequency)
     return Path(tok.save(out))
+
+
+def fit_default_asset(corpus_paths: Sequence[str | os.PathLike], out_dir: str | os.PathLike, vocab_size: int = 8192,
+                      min_frequency: int = 2) -> Path:
+    """Fit the BPE on ``corpus_paths`` and write ``out_dir/tokenizer.json`` alone (the asset form); returns its path.
+
+    Each path is read as ``iter_documents`` reads it: a UTF-8 text file, or a folder holding the janeaustenr R
+    package, whose novels become one training text each with paragraphs joined by blank lines (so merges over
+    "\\n\\n" are learned too). The shipped ``tokenizers/bpe-8k`` is ``fit_default_asset([DIR], "tokenizers/bpe-8k")``
+    (see its README for DIR)."""
+    from omni.tokenizers.text import TOKENIZER_FILE, TextTokenizer
+
+    documents = (text for _, text in iter_documents([Path(p) for p in corpus_paths]))
+    tok = TextTokenizer().fit(documents, vocab_size=vocab_size, min_frequency=min_frequency)
+    tok.save_state(Path(out_dir))
+    return Path(out_dir) / TOKENIZER_FILE
+

@@ -348,7 +348,7 @@ def add_data_commands(subparsers: Any) -> argparse.ArgumentParser:
 
 def _fit(a: argparse.Namespace) -> Any:
     from omni.data.builders_text import fit_tokenizer
-    from omni.tokenizers.text import austen_dir
+    from omni.data.corpora import austen_dir
 
     inputs = a.input or [austen_dir("; or pass --input FILE|DIR ...")]
     path = fit_tokenizer(inputs, a.out, vocab_size=a.vocab_size, min_frequency=a.min_frequency)

@@ -13,8 +13,9 @@ contains special-token strings such as ``"<|eos|>"``. That holds because
   decoder turns the remaining symbols back into the original bytes.
 
 The shipped vocabulary (``tokenizers/bpe-8k/`` at the repository root) was fitted with
-``fit_default_asset`` on Jane Austen's six novels (public domain), read from the Debian
-package ``r-cran-janeaustenr`` by ``austen_novels`` without needing R.
+``omni.data.builders_text.fit_default_asset`` on Jane Austen's six novels (public domain), read from the Debian
+package ``r-cran-janeaustenr`` by ``omni.data.corpora.austen_novels`` without needing R. The tokenizer reads no
+corpora itself: the data builders do.
 """
 
 from __future__ import annotations
@@ -29,7 +30,6 @@ from typing import Any, Iterable, Sequence
 import torch
 from torch import Tensor, nn
 
-from omni.data.rdata import read_lazyload
 from omni.segment import Role, Segment
 from omni.tokenizers.base import Tokenizer, TypeEmbedding, register_tokenizer
 
@@ -56,34 +56,6 @@ TRUNCATION_POLICIES = ("error", "truncate")
 PREFIX_MARGIN = 64
 SURROGATE = re.compile("[\ud800-\udfff]")  # what HF refuses to encode (not valid Unicode)
 PREFIX_CHARS_PER_TOKEN = 8  # the first prefix tried: this many characters per token needed (English: ~4.5)
-# Where ``apt-get install r-cran-janeaustenr`` puts the package (``dpkg-deb -x`` of the .deb
-# into a folder puts it under that folder's usr/lib/R/site-library/janeaustenr); $OMNI_AUSTEN_DIR
-# points elsewhere.
-AUSTEN_DIR = "/usr/lib/R/site-library/janeaustenr"
-AUSTEN_ENV = "OMNI_AUSTEN_DIR"
-
-
-def austen_dir(alternative: str = "") -> Path:
-    """The janeaustenr package folder: ``$OMNI_AUSTEN_DIR``, else AUSTEN_DIR. Read on every call
-    (not at import) so a test or a user can point it elsewhere. FileNotFoundError naming the
-    folder, the variable and the Debian package when the package's data is not there;
-    ``alternative`` is appended to that message (e.g. "; or pass --src FILE ...")."""
-    path = Path(os.environ.get(AUSTEN_ENV) or AUSTEN_DIR)
-    if not path.is_dir() or find_austen_data(path) is None:
-        raise FileNotFoundError(
-            f"the default text corpus (Jane Austen's novels) is not in {path}: `apt-get install r-cran-janeaustenr`, "
-            f"or set {AUSTEN_ENV} to the folder of the janeaustenr R package{alternative}"
-        )
-    return path
-
-
-def find_austen_data(root: str | os.PathLike) -> Path | None:
-    """The janeaustenr package's data/Rdata.rdx under ``root`` (the package folder or any folder
-    above it, searched by package name so other R packages' data are never picked), else None."""
-    root = Path(root)
-    if root.name == "janeaustenr" and (root / "data" / "Rdata.rdx").is_file():
-        return root / "data" / "Rdata.rdx"
-    return next(iter(sorted(root.glob("**/janeaustenr/data/Rdata.rdx"))), None)
 
 
 def default_asset_path() -> Path:
@@ -465,59 +437,3 @@ def _token_id(value: Any, index: int) -> int:
     except TypeError:
         raise TypeError(f"decode expects integer token ids, got {value!r} ({type(value).__name__}) at index "
                         f"{index}") from None
-
-
-# -- the default corpus and asset -------------------------------------------------------------------
-def austen_novels(root: str | os.PathLike | None = None) -> dict[str, list[str]]:
-    """Jane Austen's six novels (public domain) as lists of paragraphs, keyed by R name
-    (``emma``, ``prideprejudice`` ...).
-
-    Reads the R lazy-load database of the ``janeaustenr`` package (Debian package
-    ``r-cran-janeaustenr``) with ``omni.data.rdata``, so R itself is not needed: ``root`` is the package
-    folder or any folder above it (e.g. where ``dpkg-deb -x`` unpacked the .deb).
-    Paragraphs are the blank-line separated blocks with their hard line breaks joined by
-    one space; chapter headings are paragraphs too. ``root`` None is ``austen_dir()``.
-    """
-    root = austen_dir() if root is None else Path(root)
-    rdx = find_austen_data(root)
-    if rdx is None:
-        raise FileNotFoundError(
-            f"no janeaustenr data (data/Rdata.rdx) under {root}: `apt-get install r-cran-janeaustenr` (or "
-            "`apt-get download r-cran-janeaustenr && dpkg-deb -x r-cran-janeaustenr_*.deb DIR`) and pass that "
-            f"folder or set {AUSTEN_ENV} to it"
-        )
-    novels: dict[str, list[str]] = {}
-    for name, lines in read_lazyload(rdx).items():
-        paragraphs, block = [], []
-        for line in [*lines, ""]:
-            if line is not None and line.strip():
-                block.append(line.strip())
-            elif block:
-                paragraphs.append(" ".join(block))
-                block = []
-        novels[name] = paragraphs
-    return novels
-
-
-def fit_default_asset(
-    corpus_paths: Sequence[str | os.PathLike],
-    out_dir: str | os.PathLike,
-    vocab_size: int = 8192,
-    min_frequency: int = 2,
-) -> Path:
-    """Fit the BPE on ``corpus_paths`` and write ``out_dir/tokenizer.json``; returns its path.
-
-    Each path is a UTF-8 text file or a folder holding the janeaustenr R package (see
-    ``austen_novels``); a novel becomes one training text with paragraphs joined by blank
-    lines, so merges over "\\n\\n" are learned too. The shipped ``tokenizers/bpe-8k`` is
-    ``fit_default_asset([DIR], "tokenizers/bpe-8k")`` (see its README for DIR).
-    """
-    texts: list[str] = []
-    for p in map(Path, corpus_paths):
-        if p.is_dir():
-            texts.extend("\n\n".join(paragraphs) for _, paragraphs in sorted(austen_novels(p).items()))
-        else:
-            texts.append(p.read_text(encoding="utf-8"))
-    tok = TextTokenizer().fit(texts, vocab_size=vocab_size, min_frequency=min_frequency)
-    tok.save_state(Path(out_dir))
-    return Path(out_dir) / TOKENIZER_FILE
