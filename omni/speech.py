@@ -35,19 +35,17 @@ Design decisions (documented here because recipes/whisper.py and `omni transcrib
 from __future__ import annotations
 
 import math
-import re
-import unicodedata
 from dataclasses import dataclass
-from typing import Any, Hashable, Iterator, Mapping, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
-from rapidfuzz.distance import Levenshtein
 from torch import Tensor, nn
 
 from omni.decoding import (GNMTRanker, GraphedGreedyDecoder, Ranker, SuppressAtStart, SuppressTokens, TimestampRules,
                            WhisperRanker, beam_search, greedy_decode)
-from omni.export_kinds import speech_task  # noqa: F401 (the pipelines' import; the table owns it)
+from omni.asr_text import (CTC_BLANK, ctc_greedy_decode, ctc_labels, edit_distance, error_counts,  # noqa: F401
+                           error_rates, normalize_text)  # the ASR text helpers (a leaf), still importable from here
 from omni.heads import LMHead
 from omni.interfaces import Seq2SeqDecoder
 from omni.tokenizers.audio import AudioTokenizer
@@ -55,7 +53,6 @@ from omni.tokenizers.text import IGNORE_INDEX, TextTokenizer
 from omni.trunk import KVCache, Trunk, TrunkConfig
 
 TASK = "transcribe"
-CTC_BLANK = 256  # CTC labels are bytes 0..255 of the normalised transcript; 256 is the blank
 SILENCE_PEAK = 1e-4  # |sample| peak below this (-80 dBFS) = a silent file: nothing to transcribe
 NO_TIMESTAMPS, FIRST_TIMESTAMP = "<|notimestamps|>", "<|0.00|>"  # Whisper's vocabulary (omni.tokenizers.ranks)
 TIMESTAMPS_PER_SECOND = 50  # Whisper's timestamp tokens: <|0.00|>, <|0.02|>, ... <|30.00|>
@@ -387,23 +384,6 @@ def speech_example(audio_tok: AudioTokenizer, text_tok: TextTokenizer, audio: An
             "ctc": ctc_labels(transcript)}
 
 
-def ctc_labels(transcript: str) -> Tensor:
-    """The CTC targets of a transcript: the UTF-8 bytes of ``normalize_text(transcript)`` (int64)."""
-    return torch.tensor(list(normalize_text(transcript).encode("utf-8")), dtype=torch.int64)
-
-
-def ctc_greedy_decode(ctc_logits: Tensor, audio_mask: Tensor | None = None) -> list[str]:
-    """Best-path CTC decoding of (B, S, 257) logits: argmax per audio token, repeats merged, blanks dropped,
-    bytes decoded as UTF-8 (invalid sequences replaced). A quick read of what the encoder alone hears."""
-    best = ctc_logits.argmax(-1).tolist()
-    lengths = [len(row) for row in best] if audio_mask is None else audio_mask.sum(1).tolist()
-    out = []
-    for row, n in zip(best, lengths):
-        kept = [c for i, c in enumerate(row[:n]) if c != CTC_BLANK and (i == 0 or c != row[i - 1])]
-        out.append(bytes(kept).decode("utf-8", errors="replace"))
-    return out
-
-
 @dataclass(frozen=True)
 class SpeechLoss:
     """Next-token cross-entropy over real target positions (+ ``ctc_weight`` x CTC loss of the encoder's CTC
@@ -467,63 +447,10 @@ def transcribe_batch(model: Seq2SeqDecoder, text_tok: TextTokenizer, audio: Tens
     return [text_tok.decode(row) for row in ids]
 
 
-# ----------------------------------------------------------------------------------------------------
-# Exports
-
-
-# ----------------------------------------------------------------------------------------------------
-# Metrics
-
-_APOSTROPHES = str.maketrans({"\u2019": "'", "\u2018": "'", "\u02bc": "'", "`": "'"})
-
-
-def normalize_text(text: str) -> str:
-    """The WER/CER normalisation: Unicode NFKC; lower case; curly/backtick apostrophes -> '; every
-    character that is not a letter, digit, apostrophe or whitespace -> a space (so "well,then" is two
-    words); apostrophes kept only between two letters or digits ("don't" stays, 'quoted' loses its
-    quotes); whitespace runs collapsed to one space and stripped."""
-    s = unicodedata.normalize("NFKC", text).lower().translate(_APOSTROPHES)
-    s = "".join(c if c.isalnum() or c == "'" or c.isspace() else " " for c in s)
-    s = re.sub(r"(?<![^\W_])'|'(?![^\W_])", " ", s)  # drop apostrophes not inside a word
-    return " ".join(s.split())
-
-
-def edit_distance(ref: Sequence[Hashable], hyp: Sequence[Hashable]) -> int:
-    """Levenshtein distance (substitutions + deletions + insertions) between two strings or two sequences
-    of hashable items (word lists); rapidfuzz's C++ (bit-parallel), the library jiwer counts with."""
-    if not (isinstance(ref, str) and isinstance(hyp, str)):  # items -> ints, equal iff ==: no hash collisions
-        ids: dict[Hashable, int] = {}
-        ref, hyp = [ids.setdefault(x, len(ids)) for x in ref], [ids.setdefault(x, len(ids)) for x in hyp]
-    return Levenshtein.distance(ref, hyp)
-
-
-def error_counts(reference: str, hypothesis: str) -> tuple[int, int, int, int]:
-    """(word edits, reference words, char edits, reference chars) after ``normalize_text``; characters
-    include the single spaces between words."""
-    r, h = normalize_text(reference), normalize_text(hypothesis)
-    return edit_distance(r.split(), h.split()), len(r.split()), edit_distance(r, h), len(r)
-
-
-def error_rates(references: Sequence[str], hypotheses: Sequence[str]) -> dict[str, float]:
-    """Corpus WER and CER: total edits / total reference words (characters), texts normalised by
-    ``normalize_text``. An all-empty reference gives 0.0 for an empty hypothesis, else inf."""
-    if len(references) != len(hypotheses):
-        raise ValueError(f"{len(references)} references but {len(hypotheses)} hypotheses")
-    we = wn = ce = cn = 0
-    for ref, hyp in zip(references, hypotheses):
-        a, b, c, d = error_counts(ref, hyp)
-        we, wn, ce, cn = we + a, wn + b, ce + c, cn + d
-
-    def rate(e: int, n: int) -> float:
-        return e / n if n else (0.0 if e == 0 else math.inf)
-
-    return {"wer": rate(we, wn), "cer": rate(ce, cn)}
-
-
 __all__ = [
     "CTC_BLANK", "GraphedGreedyDecoder", "SpeechBatch", "SpeechCollate", "SpeechLoss", "SpeechRecognizer",
     "beam_search", "build_speech_recognizer", "ctc_greedy_decode", "ctc_labels", "edit_distance", "error_counts",
-    "error_rates", "greedy_decode", "normalize_text", "pad_audio", "speech_example", "speech_loss", "speech_task",
+    "error_rates", "greedy_decode", "normalize_text", "pad_audio", "speech_example", "speech_loss",
     "transcribe_batch", "MAX_INITIAL_TIMESTAMP", "TIMESTAMP_SECONDS", "TimestampMode", "decode_batch",
     "timestamp_segments",
 ]

@@ -105,7 +105,7 @@ class TimedTranscript:
 def transcript_words(text: str) -> list[tuple[str, int, int]]:
     """The transcript's words as (word, first char, end char) in ``text``: whitespace-separated, with words of
     punctuation only joined to the word before (or, for leading ones, after): they carry no speech to time."""
-    from omni.speech import normalize_text
+    from omni.asr_text import normalize_text
 
     spans: list[list[Any]] = []
     pending: list[int] | None = None  # leading punctuation-only words, joined to the first real word
@@ -274,7 +274,7 @@ def ctc_word_timings(log_probs: Tensor, text: str, tokens_per_second: float, *, 
     pause is then the centre of the word's first (last) loud frame, any other bound a frame edge. A transcript
     longer than the window can hold as CTC labels (a decoder that ran on) cannot be aligned: its words share
     the window in proportion to their byte lengths, with probability 0."""
-    from omni.speech import CTC_BLANK, normalize_text
+    from omni.asr_text import CTC_BLANK, normalize_text
 
     blank = CTC_BLANK if blank is None else blank
     words = transcript_words(text)

@@ -16,7 +16,7 @@ from omni.model import OmniModel
 from omni.packing import Packer
 from omni.segment import Sample, Segment
 from omni.speech import SpeechRecognizer, pad_audio
-from omni.tasks.transcribe import PrefixLMTranscriber
+from omni.prefix_lm import PrefixLMTranscriber
 from omni.timestamps import (Method, WindowAlignment, WordTiming, attention_word_timings, ctc_word_timings,
                              frame_energy, real_frames, text_ids, transcript_words)
 

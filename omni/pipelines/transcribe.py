@@ -42,10 +42,11 @@ from torch import Tensor
 
 from omni.decoding import Ranker, WhisperRanker, decode_scored
 from omni.export import load_config, load_pretrained, load_tokenizers
+from omni.export_kinds import speech_task
 from omni.interfaces import Seq2SeqDecoder
 from omni.pipelines.timing import time_windows, timing_method
-from omni.speech import SILENCE_PEAK, TASK, SpeechRecognizer, decode_batch, pad_audio, speech_task, timestamp_segments
-from omni.tasks.transcribe import PrefixLMTranscriber
+from omni.speech import SILENCE_PEAK, TASK, SpeechRecognizer, decode_batch, pad_audio, timestamp_segments
+from omni.prefix_lm import PrefixLMTranscriber
 from omni.timestamps import (Method, TimedSegment, TimedTranscript, WordTiming, segment_words, token_char_ends,
                              transcript_words)
 from omni.tokenizers.audio import AudioTokenizer, frame_pairs, load_audio_file, whisper_file_log_mel
@@ -95,7 +96,7 @@ def load_recognizer(checkpoint: str | os.PathLike, device: str | torch.device | 
 def recognizer(checkpoint: str | os.PathLike, device: str | torch.device | None
                 ) -> tuple[Seq2SeqDecoder, AudioTokenizer, TextTokenizer]:
     """``load_recognizer``, or for a multitask export (recipes/multimodal.py) its transcribe task as a prefix-LM
-    decoder (``omni.multitask.PrefixLMTranscriber``) that ``transcribe_waveforms`` drives."""
+    decoder (``omni.prefix_lm.PrefixLMTranscriber``) that ``transcribe_waveforms`` drives."""
     config = load_config(checkpoint)
     if config.get("builder") != "omni":
         return load_recognizer(checkpoint, device)

@@ -48,7 +48,8 @@ from omni.tasks.base import TASK_KINDS, NextTextTokenTask, Row, Task, register_t
 # isort: off
 # (imported, so registered, in the order configs list the kinds in)
 from omni.tasks.classify import ClassifyTask
-from omni.tasks.transcribe import PrefixLMTranscriber, TranscribeTask
+from omni.prefix_lm import PrefixLMTranscriber  # the transcribe task's decoder (a model-level module)
+from omni.tasks.transcribe import TranscribeTask
 from omni.tasks.action import ActionTask, TrajectoryPolicy
 from omni.tasks.lm import LMTask
 # isort: on

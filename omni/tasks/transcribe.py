@@ -1,5 +1,5 @@
-"""Speech recognition as a prefix-LM: ``TranscribeTask`` and ``PrefixLMTranscriber``, its transcribe head as an
-``omni.interfaces.Seq2SeqDecoder`` (decoded by ``omni.decoding``, as recipes/whisper.py's model is)."""
+"""Speech recognition as a prefix-LM: ``TranscribeTask`` (its transcribe head is decoded through
+``omni.prefix_lm.PrefixLMTranscriber``, an ``omni.interfaces.Seq2SeqDecoder``, as recipes/whisper.py's model is)."""
 
 from __future__ import annotations
 
@@ -10,16 +10,16 @@ from typing import Any, Iterator, Mapping, Sequence
 import numpy as np
 import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
 
+from omni.asr_text import CTC_BLANK, ctc_greedy_decode, ctc_labels, error_rates
 from omni.mixture import MixedBatch
 from omni.model import OmniModel
-from omni.packing import Packer
+from omni.prefix_lm import PrefixLMTranscriber
 from omni.segment import Sample, Segment
 from omni.tasks.base import NextTextTokenTask, Row, inference, masked_mean, register_task
 from omni.tokenizers.base import Tokenizer
 from omni.tokenizers.text import IGNORE_INDEX, TextTokenizer
-from omni.trunk import KVCache
 
 
 @register_task("transcribe")
@@ -78,8 +78,6 @@ class TranscribeTask(NextTextTokenTask):
         """(frames,) CTC labels of transcript ``i`` laid along its audio frames, IGNORE_INDEX after them. A
         label longer than the clip cannot be aligned (and cannot be laid out): warned, and left all
         IGNORE_INDEX, which the loss reads as "no CTC term" for this sample."""
-        from omni.speech import ctc_labels  # omni.speech (torchaudio) stays off the import path of omni.tasks
-
         labels = ctc_labels(self.transcripts[i])
         out = torch.full((frames,), IGNORE_INDEX, dtype=torch.long)
         if labels.shape[0] > frames:
@@ -90,8 +88,6 @@ class TranscribeTask(NextTextTokenTask):
         return out
 
     def head_specs(self) -> dict[str, dict[str, Any]]:
-        from omni.speech import CTC_BLANK
-
         specs = super().head_specs()
         if self.ctc_weight > 0:  # an untied "lm" head: a Linear(d, 257) without bias
             specs[self.ctc_head] = {"type": "lm", "vocab_size": CTC_BLANK + 1}
@@ -114,8 +110,6 @@ class TranscribeTask(NextTextTokenTask):
         """CTC loss of this task's audio spans in a packed batch: every audio segment's head log-probs padded
         into (T_max, S, 257) by (frame, segment) index tensors, ``F.ctc_loss`` per segment / label length,
         averaged over this task's segments that carry labels (infeasible alignments: 0, ``zero_infinity``)."""
-        from omni.speech import CTC_BLANK
-
         if "audio" not in batch.targets:
             raise ValueError(f"task {self.name!r} has ctc_weight > 0 but the batch's audio segments carry no CTC "
                              "labels (targets): build its samples with TranscribeTask.sample")
@@ -139,8 +133,6 @@ class TranscribeTask(NextTextTokenTask):
         """Best-path CTC transcripts (``omni.speech.ctc_greedy_decode``) of clips ``indices`` (default all):
         the audio alone through the trunk, bidirectional over each clip's real frames (padding masked out of
         the keys), as in a packed training document (the audio never sees its text), then the CTC head."""
-        from omni.speech import ctc_greedy_decode
-
         idx = list(range(len(self))) if indices is None else [int(i) for i in indices]
         texts: dict[int, str] = {}
         with inference(model) as dev:
@@ -185,8 +177,6 @@ class TranscribeTask(NextTextTokenTask):
         normalised by ``normalize_text``, total edits / total reference characters or words), as
         recipes/whisper.py reports on its test split; with a CTC head in ``model`` also ``ctc_cer``, the CER
         of its best-path transcripts (``ctc_transcribe``), as recipes/whisper.py's ``ctc_cer``."""
-        from omni.speech import error_rates
-
         hyps = self.transcribe(model, batch_size=batch_size, **guards)
         out = {**error_rates(list(self.transcripts), hyps), "utterances": float(len(hyps))}
         if self.ctc_head in model.heads:  # what the audio span alone says, through the CTC head
@@ -240,82 +230,3 @@ def log_mel_frames(tokens: Tensor, n_mels: int, kernel: int) -> Tensor:
     """Audio tokens (n, n_mels * kernel), each a window of ``kernel`` log-mel frames flattened mel-major
     (``omni.tokenizers.audio.unfold_tokens``) -> (n, n_mels): each window's centre frame, one per token."""
     return tokens.reshape(tokens.shape[0], n_mels, kernel)[:, :, kernel // 2]
-
-
-class PrefixLMTranscriber:
-    """A transcribe head of a multitask OmniModel as an ``omni.interfaces.Seq2SeqDecoder``, so the prefix-LM model
-    is decoded by the very code, stop rules and guards that score recipes/whisper.py (``omni.decoding``).
-    ``head``: the task's LM head in ``model.heads``; ``audio``/``text``: the export's tokenizers.
-
-    Layout, as in training (one packed document): [audio frames (bidirectional), bos, <|transcribe|>,
-    generated ... (causal)], audio positions 0..n-1 and text positions from n on, n = that clip's real
-    frames (the packer's rule). ``memory`` is the right-padded audio TOKENS (B, S, F) with ``audio_mask``:
-    the trunk itself runs in ``decode_hidden``.
-
-    With a KV cache (S audio slots + the text's) the first call writes the audio in one bidirectional forward
-    (mask "full"; padded frames marked ``pad``, so no token ever sees them) and then the prompt; every later
-    call appends one token per row, at position n_b + its text index = the real tokens the cache holds for that
-    row, at the next slot or at ``cache_position`` (fixed-shape steps: ``omni.decoding.GraphedGreedyDecoder``).
-    Without a cache every call packs [audio_b, text so far] per clip with the training ``Packer`` and runs the
-    whole packed forward: the reference the cached path must match token for token (tests/test_multimodal.py).
-    """
-
-    def __init__(self, model: OmniModel, head: str, audio: Tokenizer, text: TextTokenizer,
-                 task_token: str = "transcribe") -> None:
-        self.omni, self.audio, self.text = model, audio, text
-        self.head = model.heads[head]
-        self.prompt = [text.bos_id, text.token_id(task_token)]
-        self.eos_id, self.pad_id = text.eos_id, text.pad_id
-        self.tokens_per_second = audio.tokens_per_second
-        self.logit_filters: list = []  # omni's own prefix-LM decodes with DecodingOptions' rules alone
-
-    @classmethod
-    def for_task(cls, model: OmniModel, task: TranscribeTask) -> PrefixLMTranscriber:
-        return cls(model, task.name, task.audio, task.text, task.task_token)
-
-    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
-        return self.omni.parameters(recurse)
-
-    def encode(self, audio: Tensor, audio_mask: Tensor | None = None) -> Tensor:
-        """The memory is the padded audio tokens themselves: the trunk reads them in ``decode_hidden``."""
-        return audio
-
-    def new_cache(self, memory: Tensor, max_length: int) -> KVCache:
-        """Room for the S audio tokens plus ``max_length`` text tokens. The audio tokens are float32 whatever
-        the autocast, so the cache follows the trunk's parameters."""
-        return self.omni.trunk.new_cache(memory.shape[0], memory.shape[1] + max_length)
-
-    def logits(self, text: Tensor, memory: Tensor | None, audio_mask: Tensor | None, cache: KVCache | None = None,
-               cache_position: Tensor | None = None) -> Tensor:
-        """Next-token logits (B, V) after text (B, T)."""
-        return self.head(self.decode_hidden(text, memory, audio_mask, cache, cache_position)[:, -1])
-
-    def decode_hidden(self, text: Tensor, memory: Tensor | None, audio_mask: Tensor | None,
-                      cache: KVCache | None = None, cache_position: Tensor | None = None) -> Tensor:
-        """Hidden states (B, T, d) of the text tokens ``text`` (B, T) after the audio prefix."""
-        if cache is None:
-            return self._packed_hidden(text, memory, audio_mask)
-        B, T = text.shape
-        dev, trunk = text.device, self.omni.trunk
-        if memory is not None:  # first call: the audio prefix, bidirectional over its real frames
-            if cache.length != 0:
-                raise ValueError("the audio prefix goes into an empty cache")
-            S = memory.shape[1]
-            pad = None if audio_mask is None else ~audio_mask
-            trunk(self.omni.embedders["audio"](memory), torch.arange(S, device=dev).expand(B, S), "full",
-                  cache=cache, pad=pad)
-        positions = cache.real_tokens()[:, None] + torch.arange(T, device=dev)  # (B, T): row b continues at n_b
-        return trunk(self.omni.embedders["text"](text), positions, None, cache=cache, cache_position=cache_position)
-
-    def _packed_hidden(self, text: Tensor, audio: Tensor, audio_mask: Tensor | None) -> Tensor:
-        """Reference path: the training computation (Packer + packed mask) on [audio_b, text_b] per row, all in
-        one packed row (a dense T x T mask on CPU: for tests and small batches)."""
-        B, T = text.shape
-        frames = [audio.shape[1]] * B if audio_mask is None else audio_mask.sum(1).tolist()
-        samples = []
-        for b, n in enumerate(frames):
-            a = Segment("audio", audio[b, :n], torch.arange(n), self.audio.role)
-            t = Segment("text", text[b], torch.arange(T), self.text.role)
-            samples.append(Sample([a, t], key=f"decode/{b}"))
-        batch = Packer()(samples).to(text.device)  # one row, documents in row order
-        return OmniModel.gather(self.omni(batch), batch, "text").view(B, T, -1)
