@@ -51,8 +51,8 @@ from torch import Tensor
 
 from omni.export import load_config, load_pretrained, save_pretrained
 from omni.export_kinds import MULTITASK
-from omni.interop import ConversionError, cast_tensors, check_tensors, read_directory, source_dtype
 from omni.interop.hf import HFFamily, register_hf_family, write_hf_files
+from omni.interop.registry import ConversionError, cast_tensors, check_tensors, read_directory, source_dtype
 from omni.trunk import TrunkConfig
 
 MODEL_TYPE = "gpt2"

@@ -21,7 +21,7 @@ from torch import Tensor
 
 from omni.export import CONFIG_NAME, WEIGHTS_NAME
 from omni.files import fsync_dir, write_json
-from omni.interop import ConversionError, Converter, Export, read_config, register_converter
+from omni.interop.registry import ConversionError, Converter, Export, read_config, register_converter
 
 
 @dataclass(frozen=True)

@@ -54,10 +54,10 @@ from torch import Tensor
 
 from omni.export import load_config, load_pretrained, load_tokenizers, save_pretrained
 from omni.export_kinds import DECISION_TRANSFORMER
-from omni.interop import ConversionError, read_directory
 from omni.interop.gpt2 import (IGNORED_SUFFIXES, body_hf_config, body_tensor_names, body_trunk_options, check_body,
                                named_pairs)
 from omni.interop.hf import HFFamily, register_hf_family, write_hf_files
+from omni.interop.registry import ConversionError, read_directory
 from omni.rl import DecisionTransformer, action_bounds, build_decision_transformer
 from omni.tokenizers.trajectory import TrajectoryTokenizer
 from omni.trunk import TrunkConfig

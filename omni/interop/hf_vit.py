@@ -61,8 +61,9 @@ import torch
 from torch import Tensor
 
 from omni.heads import HEAD_NORM_EPS
-from omni.interop import ConversionError, Export, cast_tensors, names, read_directory, read_export, source_dtype
 from omni.interop.hf import HFFamily, register_hf_family, write_hf_files
+from omni.interop.registry import (ConversionError, Export, cast_tensors, names, read_directory, read_export,
+                                   source_dtype)
 from omni.interop.timm import PATCH_WEIGHT, TYPE_EMBEDDING, layout
 from omni.tokenizers.image import ImageTokenizer
 from omni.trunk import TrunkConfig

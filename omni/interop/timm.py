@@ -51,8 +51,8 @@ from torch import Tensor, nn
 from omni.deps import require
 from omni.export_kinds import IMAGE_CLASSIFIER
 from omni.heads import HEAD_NORM_EPS
-from omni.interop import (ConversionError, Converter, Export, check_tensors, names, read_config, read_directory,
-                          read_export, read_state_dict, register_converter)
+from omni.interop.registry import (ConversionError, Converter, Export, check_tensors, names, read_config,
+                                   read_directory, read_export, read_state_dict, register_converter)
 from omni.tokenizers.image import ImageTokenizer
 from omni.trunk import TrunkConfig
 from omni.vision import POSITION_TABLE, ImageClassifier, head_options

@@ -67,9 +67,9 @@ from torch import Tensor
 
 from omni.export_kinds import SPEECH_RECOGNIZER
 from omni.files import sha256_file
-from omni.interop import (ConversionError, Converter, Export, check_tensors, names, read_directory, read_export,
-                          register_converter)
 from omni.interop.hf import HFFamily, register_hf_family, write_hf_files
+from omni.interop.registry import (ConversionError, Converter, Export, check_tensors, names, read_directory,
+                                   read_export, register_converter)
 from omni.tokenizers.audio import AudioTokenizer
 from omni.tokenizers.text import TextTokenizer
 from omni.trunk import TrunkConfig
