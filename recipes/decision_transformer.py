@@ -44,6 +44,7 @@ import torch
 
 from omni.config import (FRACTION, NON_EMPTY, POSITIVE, SEED, Check, Key, at_least, one_of, rank_zero_first,
                           recipe_config, recipe_parser, run_recipe, sets_trunk, train_config)
+from omni.data.remote import dataset_source
 from omni.data.shards import read_manifest
 from omni.deps import require
 from omni.files import write_atomic
@@ -133,8 +134,8 @@ def parse_args(argv=None) -> dict:
 
 def load_data(cfg: dict) -> tuple[dict, list[dict]]:
     """(manifest, training episodes) of ``data``, recorded there first when missing."""
-    data = Path(cfg["data"])
-    if not (data / "manifest.json").is_file():
+    data = dataset_source(cfg["data"])  # a folder, or a URL the shard reader fetches from (omni.data.remote)
+    if isinstance(data, Path) and not (data / "manifest.json").is_file():
         from omni.data.builders_rl import build_gym
 
         print(f"building {cfg['episodes']} {cfg['env']} episodes in {data} ...", flush=True)

@@ -36,6 +36,7 @@ from omni.config import (FRACTION, POSITIVE, Key, at_least, between, one_of, ran
                           recipe_parser, run_recipe, sets_trunk, train_config)
 from omni.data.memory import TensorLoader, materialise
 from omni.data.reader import ShardLoader
+from omni.data.remote import dataset_source
 from omni.data.shards import read_manifest
 from omni.evaluation import first_batch
 from omni.init import read_init
@@ -165,11 +166,12 @@ def fashion_mnist(data: Path) -> None:
 
 
 def build_data(cfg: dict, rank: int, world: int, device: torch.device):
-    data = Path(cfg["data"])
-    if not (data / "manifest.json").is_file() and cfg["build"] != "fashion-mnist":
-        raise FileNotFoundError(f"{data}/manifest.json not found: build the dataset with `omni data ...`")
-    rank_zero_first(lambda: fashion_mnist(data), rank, world)
-    manifest = read_manifest(data / "manifest.json", kind="images")
+    data = dataset_source(cfg["data"])  # a folder, or a URL the shard reader fetches from (omni.data.remote)
+    if isinstance(data, Path):
+        if not (data / "manifest.json").is_file() and cfg["build"] != "fashion-mnist":
+            raise FileNotFoundError(f"{data}/manifest.json not found: build the dataset with `omni data ...`")
+        rank_zero_first(lambda: fashion_mnist(data), rank, world)
+    manifest = read_manifest(data, kind="images")
     names = manifest.get("class_names") or manifest.get("classes")
     loaders = {}
     for split, train in (("train", True), ("test" if "test" in manifest["splits"] else "val", False)):

@@ -63,6 +63,7 @@ from omni.export import get_builder
 from omni.files import write_atomic
 from omni.init import SPEECH_BUILDER, load_init, read_init
 from omni.data.reader import ShardLoader
+from omni.data.remote import dataset_source
 from omni.data.shards import read_manifest
 from omni.deps import require
 from omni.speech import (SpeechCollate, SpeechLoss, SpeechRecognizer, ctc_greedy_decode, ctc_labels, error_counts,
@@ -136,10 +137,12 @@ def parse_args(argv=None) -> dict:
 # Data
 
 
-def ensure_data(cfg: dict, rank: int, world: int) -> Path:
-    """The dataset directory ``data``; synthesised there (rank 0, the others wait) when missing and ``build``
-    is set."""
-    data = Path(cfg["data"])
+def ensure_data(cfg: dict, rank: int, world: int) -> Path | str:
+    """The dataset directory ``data`` (or its URL, read as it is: omni.data.remote); synthesised there (rank 0, the
+    others wait) when missing and ``build`` is set."""
+    data = dataset_source(cfg["data"])
+    if not isinstance(data, Path):
+        return data
     if not (data / "manifest.json").is_file() and not cfg["build"]:
         raise FileNotFoundError(f"{data}/manifest.json not found: build the dataset with "
                                 "`omni data speech-synth` or `omni data librispeech`")
@@ -366,7 +369,7 @@ def main(argv=None) -> dict:
     state = process_state()
     rank, world = state.process_index, state.num_processes
     data = ensure_data(cfg, rank, world)
-    manifest = read_manifest(data / "manifest.json", kind="speech")
+    manifest = read_manifest(data, kind="speech")
     train_split, eval_split = choose_splits(cfg, data, manifest["splits"])
     if cfg["init"] is not None:
         model, export, tokenizers = from_init(cfg)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import errno
 import shutil
 import socket
+import os
 import sys
 import threading
 import urllib.parse
@@ -386,3 +387,18 @@ def test_s3_dataset_gives_the_local_batches(site, s3, tmp_path):
     assert epoch(options_given) == local
     with pytest.raises(DatasetError, match=r"^s3://shards/fmnist/train-000009.tar: not found$"):
         loader("s3://shards/fmnist/train-000009.tar", tmp_path / "c")
+
+
+def test_a_recipe_trains_on_a_dataset_url(http, tmp_path):
+    """`python recipes/vit.py --data https://host/ds`: the recipe keeps the URL (Path() would fold it into
+    'http:/host'), fetches the shards into the cache and trains, as on the local folder."""
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "OMNI_SHARD_CACHE": str(tmp_path / "cache")}
+    proc = subprocess.run([sys.executable, "recipes/vit.py", "--preset", "tiny", "--data", f"{http}/ds", "--out",
+                           str(tmp_path / "run"), "--set", "steps=2", "progress=False"],
+                          cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (tmp_path / "run" / "final" / "model.safetensors").is_file()
+    assert any((tmp_path / "cache").rglob("*.tar")), "the shards were read through the cache"

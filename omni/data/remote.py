@@ -60,6 +60,12 @@ def is_remote(source: Any) -> bool:
     return source.startswith(REMOTE_SCHEMES) or source.startswith("pipe:")
 
 
+def dataset_source(value: str | os.PathLike) -> str | Path:
+    """A recipe's ``data`` entry as the readers take it: a URL (or ``pipe:``) as given, a local folder as a Path
+    (``Path`` would fold ``https://host`` into ``https:/host``)."""
+    return value if is_remote(value) else Path(value)
+
+
 def local_path(source: str) -> str:
     """``file://PATH`` -> PATH; anything else unchanged."""
     return urllib.parse.unquote(source[len("file://"):]) if source.startswith("file://") else source
@@ -436,5 +442,5 @@ def read_remote_manifest(url: str, options: RemoteOptions | None = None) -> tupl
         raise DatasetError(f"{where} is not valid JSON: {exc}") from None
 
 
-__all__ = ["RemoteOptions", "ShardCache", "is_remote", "is_dataset_url", "manifest_url", "join_url", "read_url",
+__all__ = ["RemoteOptions", "ShardCache", "dataset_source", "is_remote", "is_dataset_url", "manifest_url", "join_url", "read_url",
            "read_remote_manifest", "expand", "default_cache_dir", "fetch", "local_path"]
