@@ -42,8 +42,8 @@ from typing import Any
 
 import torch
 
-from omni.config import (FRACTION, NON_EMPTY, POSITIVE, SEED, Check, Key, at_least, one_of, rank_zero_first,
-                          recipe_config, recipe_parser, run_recipe, sets_trunk, train_config)
+from omni.config import FRACTION, NON_EMPTY, POSITIVE, SEED, Check, Key, at_least, one_of, sets_trunk
+from omni.recipe_runtime import rank_zero_first, recipe_config, recipe_parser, run_recipe, train_config
 from omni.data.remote import dataset_source
 from omni.data.shards import read_manifest
 from omni.deps import require

@@ -41,8 +41,8 @@ from typing import Any
 
 import torch
 
-from omni.config import (Check, Key, at_least, between, check_corpus, one_of, recipe_config,
-                          recipe_parser, run_recipe, sets_trunk, train_config)
+from omni.config import Check, Key, at_least, between, one_of, sets_trunk
+from omni.recipe_runtime import check_corpus, recipe_config, recipe_parser, run_recipe, train_config
 from omni.init import OMNI_BUILDER, load_init, read_init
 from omni.mixture import MixtureLoader
 from omni.multitask import MultitaskModel, multitask_loss

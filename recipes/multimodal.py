@@ -130,8 +130,8 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from omni.config import (NON_EMPTY, Check, Key, at_least, check_corpus, keywords_of, one_of, rank_zero_first,
-                          recipe_config, recipe_parser, run_recipe, train_config)
+from omni.config import NON_EMPTY, Check, Key, at_least, keywords_of, one_of
+from omni.recipe_runtime import check_corpus, rank_zero_first, recipe_config, recipe_parser, run_recipe, train_config
 from omni.data.builders_speech import build_speech_synth
 from omni.data.clips import DecodeClip, log_mel_tokens
 from omni.deps import require

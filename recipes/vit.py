@@ -32,8 +32,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from omni.config import (FRACTION, POSITIVE, Key, at_least, between, one_of, rank_zero_first, recipe_config,
-                          recipe_parser, run_recipe, sets_trunk, train_config)
+from omni.config import FRACTION, POSITIVE, Key, at_least, between, one_of, sets_trunk
+from omni.recipe_runtime import rank_zero_first, recipe_config, recipe_parser, run_recipe, train_config
 from omni.data.memory import TensorLoader, materialise
 from omni.data.reader import ShardLoader
 from omni.data.remote import dataset_source

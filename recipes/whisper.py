@@ -55,8 +55,8 @@ from pathlib import Path
 
 import torch
 
-from omni.config import (POSITIVE, Key, at_least, check_corpus, keywords_of, one_of, rank_zero_first, recipe_config,
-                          recipe_parser, run_recipe, train_config)
+from omni.config import POSITIVE, Key, at_least, keywords_of, one_of
+from omni.recipe_runtime import check_corpus, rank_zero_first, recipe_config, recipe_parser, run_recipe, train_config
 from omni.data.builders_speech import build_speech_synth
 from omni.data.clips import AUDIO_FIELDS, DecodeClip
 from omni.export import get_builder

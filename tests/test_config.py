@@ -40,7 +40,8 @@ def test_unknown_keys_name_the_known_ones(item, message):
 
 
 from omni.config import (FRACTION, NON_EMPTY, Key, RULES, at_least, expectation, one_of, resolve, schema,  # noqa: E402
-                         train_config, validate)
+                         validate)
+from omni.recipe_runtime import train_config  # noqa: E402
 
 
 def check(value, key, name="k"):

@@ -12,7 +12,7 @@ import pytest
 
 from conftest import write_janeaustenr
 
-from omni.config import check_corpus
+from omni.recipe_runtime import check_corpus
 from omni.data.builders_speech import load_paragraphs
 from omni.data.builders_text import build_text, expand_inputs, fit_tokenizer, read_text_file
 

@@ -302,7 +302,7 @@ def test_a_zero_byte_cache_keeps_only_the_shard_in_use(site, http, http_server, 
 
 
 def test_recipes_report_a_remote_error_in_one_line_with_status_2(http, http_server, tmp_path, capsys, monkeypatch):
-    from omni.config import run_recipe
+    from omni.recipe_runtime import run_recipe
 
     monkeypatch.setattr(sys, "argv", ["vit.py"])
     with pytest.raises(SystemExit) as info:

@@ -195,7 +195,7 @@ def test_a_read_only_checkpoint_folder_is_one_line_naming_it(tmp_path, monkeypat
         W.run_mlp(tmp_path, steps=6, checkpoint_every=2, report_to="none")
     root = tmp_path / "checkpoints"
     assert str(err.value).startswith(f"cannot write checkpoint {root / 'step-000004'}: {root} is not writable")
-    assert isinstance(err.value, PermissionError)  # a user error for the recipes (omni.config.user_errors)
+    assert isinstance(err.value, PermissionError)  # a user error for the recipes (omni.recipe_runtime.user_errors)
     assert [p.name for p in root.iterdir()] == ["step-000002"]
 
 

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 import _train_worker as W
-from omni.config import run_recipe
+from omni.recipe_runtime import run_recipe
 from omni.train import TrainingInterrupted, latest_checkpoint
 
 

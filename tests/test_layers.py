@@ -23,7 +23,7 @@ FLOORS: list[tuple[str, list[str]]] = [
               "omni.data.shards", "omni.data.fields", "omni.data.tar", "omni.data.plan", "omni.data.reader",
               "omni.data", "omni.data.corpora", "omni.data.policies", "omni.data.remote"]),
     ("tokenizers, heads, decoding, export", ["omni.tokenizers", "omni.tokenizers.", "omni.heads", "omni.decoding",
-                                             "omni.model", "omni.export", "omni.plots", "omni.data.clips",
+                                             "omni.model", "omni.export", "omni.plots", "omni.data.clips", "omni.config",
                                              "omni.mixture"]),
     ("models and model-free algorithms", ["omni.vision", "omni.speech", "omni.rl", "omni.rl.", "omni.prefix_lm",
                                           "omni.timestamps", "omni.introspect", "omni.generate",
@@ -31,7 +31,7 @@ FLOORS: list[tuple[str, list[str]]] = [
     ("tasks", ["omni.tasks", "omni.tasks.", "omni.multitask"]),
     ("training", ["omni.steps", "omni.evaluation", "omni.checkpointing", "omni.train", "omni.config_schema",
                   "omni.init", "omni.interop", "omni.interop.", "omni.data.builders_", "omni.data.builders"]),
-    ("pipelines", ["omni.pipelines", "omni.pipelines.", "omni.config"]),
+    ("pipelines", ["omni.pipelines", "omni.pipelines.", "omni.recipe_runtime"]),
     ("command line", ["omni.cli", "omni.data.cli"]),
 ]
 

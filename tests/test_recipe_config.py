@@ -202,7 +202,7 @@ def test_a_bad_value_from_the_command_line_is_one_line_and_exit_2_before_any_dat
 
 @pytest.mark.parametrize("name", RECIPES)
 def test_resume_reaches_the_train_config(recipes, name):
-    from omni.config import train_config
+    from omni.recipe_runtime import train_config
 
     cfg = parse(recipes[name], "--set", "resume='never'", "out='/tmp/x'")
     assert train_config(cfg).resume == "never"

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from omni.config import TEXT_OPTION, run_recipe
+from omni.recipe_runtime import TEXT_OPTION, run_recipe
 from omni.deps import MissingDependency, install_hint, require
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -1,4 +1,4 @@
-"""The glue the recipes share: rank 0 first (omni.config.rank_zero_first), one speech-shard clip decoder with a
+"""The glue the recipes share: rank 0 first (omni.recipe_runtime.rank_zero_first), one speech-shard clip decoder with a
 typed too-long exception (omni.data.clips, ClipTooLong), the task kinds recipes/multimodal.py looks up by name
 (omni.tasks: each Task class owns its evaluation options and results row), and the R lazy-load reader
 (omni.data.rdata)."""
@@ -20,7 +20,7 @@ import soundfile as sf
 import torch
 
 from conftest import write_janeaustenr
-from omni.config import rank_zero_first
+from omni.recipe_runtime import rank_zero_first
 from omni.data.clips import DecodeClip, log_mel_tokens
 from omni.data.rdata import decompress_chunk, read_lazyload
 from omni.speech import speech_example
