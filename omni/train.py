@@ -83,9 +83,6 @@ import numbers
 import os
 import random
 import signal
-import sys
-import threading
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
@@ -101,67 +98,10 @@ from omni.checkpointing import (RESULTS_NAME, RESUME_IGNORED, RESUME_MODES, Chec
 from omni.evaluation import (HISTORY_NAME, EvalFn, Evaluator, MetricHistory, ModelMetricsFn, Pictures, SamplesFn,
                              held_position)
 from omni.export import DiskFullError, IntegrityError
+from omni.interrupts import StopOnSignal, TrainingInterrupted
 from omni.lock import DirectoryLock, LockedError
+from omni.progress import Progress
 from omni.steps import DataStream, Loss, LossOutput, NonFiniteLossError, batch_keys, build_step
-
-
-class TrainingInterrupted(KeyboardInterrupt):
-    """SIGINT (Ctrl-C) or SIGTERM stopped ``fit`` after a whole step, whose checkpoint was saved: running the
-    same command again resumes there. ``signum`` is the signal (exit status 128 + signum, as a shell reports)."""
-
-    def __init__(self, message: str, signum: int) -> None:
-        super().__init__(message)
-        self.signum = signum
-
-
-class _StopOnSignal:
-    """While entered, the first SIGINT or SIGTERM only records itself (``signum``), so the loop can finish its
-    step, checkpoint and stop; a second one acts as it would have (KeyboardInterrupt, termination). A signal the
-    process ignores stays ignored (SIGINT in a background job of a non-interactive shell, ``nohup``: a Ctrl-C
-    meant for the foreground must not stop it). Handlers can only be installed from the main thread: elsewhere
-    this records nothing."""
-
-    SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
-    def __init__(self) -> None:
-        self.signum: int | None = None
-        self._previous: dict[int, Any] = {}
-
-    def __enter__(self) -> "_StopOnSignal":
-        if threading.current_thread() is threading.main_thread():
-            self._previous = {s: signal.signal(s, self._record) for s in self.SIGNALS
-                              if signal.getsignal(s) is not signal.SIG_IGN}
-        return self
-
-    def _record(self, signum: int, frame: Any) -> None:
-        if self.signum is None:
-            self.signum = signum
-            # os.write, not print: the handler may run while the main thread is inside a write to stderr
-            # (tqdm), and a buffered stream refuses that reentrant call
-            os.write(2, f"\nomni.train: {signal.Signals(signum).name} received: stopping after this step with a "
-                        "checkpoint (send it again to stop at once)\n".encode())
-            return
-        self.__exit__()
-        if signum == signal.SIGINT:
-            raise KeyboardInterrupt
-        os.kill(os.getpid(), signum)  # the restored handler (by default: terminate)
-
-    def __exit__(self, *exc: Any) -> None:
-        for s, handler in self._previous.items():
-            signal.signal(s, handler)
-        self._previous = {}
-
-    def agreed(self, accelerator: Any, step: int, every: int) -> int | None:
-        """The stop signal this run has received, agreed by every rank: a rank alone may have got it, and the
-        checkpoint that follows is collective. Several processes compare notes every ``every`` steps (a
-        scalar all-reduce; every step would cost a device sync per step), one process every step."""
-        if accelerator.num_processes == 1:
-            return self.signum
-        if step % max(every, 1):
-            return None
-        flag = torch.tensor([self.signum or 0], device=accelerator.device)
-        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
-        return int(flag.item()) or None
 
 
 @dataclass
@@ -426,78 +366,6 @@ def build_optimizer(groups: list[dict[str, Any]], config: TrainConfig, device: t
 
 
 # ----------------------------------------------------------------------------------------------------
-# What the user sees
-
-
-def _is_terminal(stream: Any) -> bool:
-    try:
-        return bool(stream.isatty())
-    except (AttributeError, ValueError):  # no isatty, or a closed stream
-        return False
-
-
-class _Progress:
-    """What a user sees of the run: every ``log_every`` steps (and at the last) the window's means go to the
-    trackers; the main process shows a tqdm bar when stderr is a terminal, else prints one plain line per log
-    step (tqdm redraws its line with carriage returns: in a log file that is one endless line)."""
-
-    RECORD = frozenset({"loss", "lr", "grad_norm", "tokens", "samples"})  # the rest: loss_fn's metrics
-
-    def __init__(self, accelerator: Any, config: TrainConfig, step: int, history: MetricHistory) -> None:
-        from tqdm.auto import tqdm
-
-        self.accelerator, self.config, self.history = accelerator, config, history
-        show_bar = accelerator.is_main_process and config.progress and _is_terminal(sys.stderr)
-        self.print_lines = accelerator.is_main_process and not show_bar
-        self.bar = tqdm(total=config.steps, initial=step, desc="train", dynamic_ncols=True, disable=not show_bar)
-        self.window: list[dict[str, float]] = []
-        self.t0 = time.perf_counter()
-
-    def __enter__(self) -> "_Progress":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.bar.close()
-
-    def step(self, step: int, record: Mapping[str, float], epoch: int) -> dict[str, float]:
-        """Count optimizer step ``step``; on a log step, log the window's summary and return it (else {})."""
-        cfg = self.config
-        self.window.append(dict(record))
-        self.bar.update(1)
-        if not ((cfg.log_every > 0 and step % cfg.log_every == 0) or step == cfg.steps):
-            return {}
-        seconds = max(time.perf_counter() - self.t0, 1e-9)
-        logged = self._summarise(seconds, epoch)
-        self.accelerator.log(logged, step=step)
-        # each step's loss too: the curves show the raw loss beside the smoothed one
-        self.history.append(step, {**logged, "train/loss_per_step": [r["loss"] for r in self.window]})
-        self.bar.set_postfix(loss=f"{logged['train/loss']:.4g}", lr=f"{logged['train/lr']:.3g}")
-        if self.print_lines:
-            shown = ", ".join(f"{k.removeprefix('train/')} {v:.4g}" for k, v in logged.items())
-            print(f"step {step}/{cfg.steps}: {shown}, it/s {len(self.window) / seconds:.3g}", flush=True)
-        self.window, self.t0 = [], time.perf_counter()
-        return logged
-
-    def _summarise(self, seconds: float, epoch: int) -> dict[str, float]:
-        window, n = self.window, len(self.window)
-        out = {"train/loss": sum(r["loss"] for r in window) / n, "train/lr": window[-1]["lr"],
-               "train/grad_norm": sum(r["grad_norm"] for r in window) / n,
-               "train/samples_per_s": sum(r["samples"] for r in window) / seconds, "train/epoch": float(epoch)}
-        tokens = sum(r["tokens"] for r in window)
-        if tokens:
-            out["train/tokens_per_s"] = tokens / seconds
-        for name in sorted(window[-1].keys() - self.RECORD):
-            out[f"train/{name}"] = sum(r[name] for r in window) / n
-        return out
-
-    def evaluated(self, step: int, metrics: Mapping[str, float]) -> None:
-        self.accelerator.log(dict(metrics), step=step)
-        self.history.append(step, metrics)
-        if self.accelerator.is_main_process and metrics:
-            self.bar.write(f"step {step}: " + ", ".join(f"{k} {v:.4g}" for k, v in metrics.items()))
-
-
-# ----------------------------------------------------------------------------------------------------
 # The trainer
 
 
@@ -693,7 +561,7 @@ class Trainer:
         if exported:  # evaluated again: its training metrics are the last ones it logged
             results.update(self.history.latest("train/"))
         self.model.train()
-        with _StopOnSignal() as stop, _Progress(acc, cfg, self.step, self.history) as progress:
+        with StopOnSignal() as stop, Progress(acc, cfg, self.step, self.history) as progress:
             while self.step < cfg.steps:
                 record = self._train_step()
                 self.step += 1
@@ -734,7 +602,7 @@ class Trainer:
         """Optimizer step ``self.step + 1`` on the next batches: the step strategy's record."""
         return self.stepper.step(self.model, self.data, self.step + 1)
 
-    def _evaluate_and_log(self, progress: _Progress) -> dict[str, float]:
+    def _evaluate_and_log(self, progress: Progress) -> dict[str, float]:
         metrics = self.evaluate()
         progress.evaluated(self.step, metrics)
         with held_position(self.evaluator.data if not self.evaluator.prepared else None):  # a hook reading eval

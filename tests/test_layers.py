@@ -29,7 +29,7 @@ FLOORS: list[tuple[str, list[str]]] = [
                                           "omni.timestamps", "omni.introspect", "omni.generate",
                                           "omni.alignment_plot", "omni.transcript_formats"]),
     ("tasks", ["omni.tasks", "omni.tasks.", "omni.multitask"]),
-    ("training", ["omni.steps", "omni.evaluation", "omni.checkpointing", "omni.train", "omni.config_schema",
+    ("training", ["omni.steps", "omni.evaluation", "omni.progress", "omni.interrupts", "omni.checkpointing", "omni.train", "omni.config_schema",
                   "omni.init", "omni.interop", "omni.interop.", "omni.data.builders_", "omni.data.builders"]),
     ("pipelines", ["omni.pipelines", "omni.pipelines.", "omni.recipe_runtime"]),
     ("command line", ["omni.cli", "omni.data.cli"]),

@@ -663,7 +663,8 @@ def test_no_terminal_logs_plain_lines_instead_of_a_bar(tmp_path, capsys, monkeyp
     assert "\r" not in captured.err and "\r" not in captured.out
     lines = [ln for ln in captured.out.splitlines() if ln.startswith("step ")]
     assert [ln.split(":")[0] for ln in lines] == ["step 1/3", "step 2/3", "step 3/3"]
-    assert all(" loss " in ln and ", it/s " in ln for ln in lines)
+    assert all(" loss " in ln and ", it/s " in ln and ", left " in ln for ln in lines)
+    assert lines[-1].endswith(", left 0s")
 
     class Terminal(io.StringIO):
         def isatty(self) -> bool:
@@ -688,3 +689,34 @@ def test_resume_on_another_process_count_names_the_process_count_not_the_config(
     with pytest.raises(ValueError, match=r"written by 2 processes; resume it with 2 \(now 1\)") as err:
         W.run_mlp(tmp_path, steps=6, checkpoint_every=2, report_to="none")
     assert not isinstance(err.value, ResumeMismatchError) and "train.steps" not in str(err.value)
+
+
+def test_durations_read_as_people_write_them():
+    from omni.progress import duration
+
+    assert [duration(s) for s in (0, 41.6, 60, 190, 3599, 3600, 3900, 90061)] == \
+        ["0s", "42s", "1m00s", "3m10s", "59m59s", "1h00m", "1h05m", "25h01m"]
+
+
+def test_a_long_run_says_so_at_its_first_log_step(monkeypatch, capsys):
+    """Progress estimates the time left from the steps so far; beyond LONG_RUN_SECONDS it says so once."""
+    import omni.progress as P
+    from omni.evaluation import MetricHistory
+
+    class Acc:
+        is_main_process = True
+
+        def log(self, *a, **k):
+            pass
+
+    clock = iter(float(t) for t in range(0, 10_000, 10))  # every perf_counter call: 10 s later
+    monkeypatch.setattr(P.time, "perf_counter", lambda: next(clock))
+    cfg = TrainConfig(output_dir="unused", steps=200, log_every=1, progress=False)
+    history = MetricHistory.__new__(MetricHistory)
+    monkeypatch.setattr(MetricHistory, "append", lambda self, step, metrics: None)
+    record = {"loss": 1.0, "lr": 0.1, "grad_norm": 1.0, "samples": 4, "tokens": 0}
+    with P.Progress(Acc(), cfg, 0, history) as progress:
+        for step in (1, 2, 3):
+            progress.step(step, record, 0)
+    out = capsys.readouterr().out
+    assert out.count("at this pace the run needs about") == 1, out
