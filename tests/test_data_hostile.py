@@ -127,8 +127,8 @@ def test_an_image_over_the_pixel_bound_is_refused_from_its_header(tmp_path):
                                             r"decodes \(67.1 MP, e.g. 8192 x 8192: omni.tokenizers.image.MAX_PIXELS\); "
                                             r"downscale it first$"):
         to_image_tensor(str(path), key=str(path))
-    with pytest.raises(ValueError, match="13000 x 13000 pixels is more than MAX_PIXELS"):
-        decode_image(path.read_bytes())
+    with pytest.raises(ImageTooLarge, match=r"13000 x 13000 pixels \(169.0 MP\) is more than omni decodes"):
+        decode_image(path.read_bytes())  # the shard reader opens images by the same rule (omni.image_bytes)
     assert to_image_tensor(_png((5, 7))).shape == (3, 5, 7)
 
 
@@ -169,3 +169,28 @@ def test_user_format_builders_have_kinds(tmp_path):
     with pytest.raises(DatasetError, match=r"is a dataset of text \(built by `omni data hf`\)"):
         read_manifest(hf, kind="images")
     assert read_manifest(hf, kind="text")["kind"] == "text"
+
+
+def test_the_shard_reader_and_the_tokenizer_read_a_rotated_photo_the_same_way():
+    """A JPEG whose EXIF says "rotate 90" (phones write them): the shard reader's decode_image and the image
+    tokenizer (omni predict) both apply the orientation, so training and prediction see one upright image (the
+    reader used to keep the stored orientation)."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    from omni.data.reader import decode_image
+    from omni.tokenizers.image import to_image_tensor
+
+    pixels = np.zeros((6, 10, 3), dtype=np.uint8)
+    pixels[:, :5] = 255  # the left half white: where it ends up shows the rotation
+    exif = Image.Exif()
+    exif[0x0112] = 6  # Orientation: rotate 90 clockwise to display
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, format="PNG", exif=exif.tobytes())
+    data = buf.getvalue()
+    read = np.asarray(decode_image(data))
+    assert read.shape == (10, 6, 3)  # upright: the stored 6 x 10 turned to 10 x 6
+    tokenized = (to_image_tensor(data).permute(1, 2, 0).numpy() * 255).round().astype(np.uint8)
+    assert np.array_equal(read, tokenized)

@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from omni.image_bytes import ImageTooLarge, open_image
 from omni.data.shards import Build, fingerprint_files
 
 FASHION_MNIST_DIR = "/usr/share/datasets/fashion-mnist"  # Debian package dataset-fashion-mnist
@@ -217,19 +218,10 @@ def _sniff(head: bytes) -> str | None:
 
 def _undecodable(data: bytes) -> str | None:
     """Why PIL cannot decode these image bytes whole (truncated, header only, corrupt, more than
-    omni.tokenizers.image.MAX_PIXELS), or None. The magic bytes alone would let a cut file into the dataset,
+    omni.image_bytes.MAX_PIXELS), or None. The magic bytes alone would let a cut file into the dataset,
     where every epoch would skip it again."""
-    from PIL import Image
-
-    from omni.tokenizers.image import ImageTooLarge, check_image_size
-
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-            img = Image.open(io.BytesIO(data))
-        with img:
-            check_image_size(*img.size)
-            img.load()
+        open_image(data)  # the one opener every reader uses (omni.image_bytes)
     except ImageTooLarge as exc:
         return str(exc).split(": ", 1)[1]
     except Exception as exc:  # PIL raises OSError, SyntaxError, ValueError, EOFError ... on broken files

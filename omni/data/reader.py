@@ -44,16 +44,13 @@ cache disk stops the run with one line naming the URL or the folder.
 
 from __future__ import annotations
 
-import io
-import json
 import logging
 import math
 import os
-import re
 import signal
 import warnings
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, Callable, Iterator, Sequence
 
@@ -61,248 +58,20 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
+# the field decoders and the shard index live in their own modules; the reader's users import them from here too
+from omni.data.fields import (decode_audio, decode_cls, decode_field, decode_fields, decode_image,  # noqa: F401
+                              decode_json, decode_npy, decode_npz, decode_text, decode_u8)  # noqa: F401
 from omni.data.remote import RemoteOptions, ShardCache, expand, is_dataset_url, is_remote, join_url, local_path
 from omni.data.shards import MANIFEST_NAME, DatasetError, read_manifest, sha256_file
+from omni.data.tar_index import ShardIndex, count_samples, index_shard  # noqa: F401
 from omni.deps import MissingDependency
 from omni.files import DiskFullError, NotWritableError
 
 logger = logging.getLogger(__name__)
 
 
-# webdataset's rule (webdataset.tariterators.base_plus_ext): key = path up to the first dot of the
-# file name, field = the rest, lower-cased. Consecutive members with one key form one sample.
-_KEY_EXT = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$")
-
 # Seed-sequence tags so the shard order and the window permutations never share a stream.
 _SHARD_ORDER, _WINDOW = 0x5A4D, 0x57494E
-
-
-# ---------------------------------------------------------------------------------------------
-# Field decoders (run inside data workers; all take the raw bytes of one tar member)
-# ---------------------------------------------------------------------------------------------
-
-
-# The most pixels decode_image decodes: omni.tokenizers.image.MAX_PIXELS (a floor above this module).
-MAX_PIXELS = 8192 * 8192
-
-
-def decode_image(data: bytes, mode: str | None = None) -> Any:
-    """Encoded image bytes (PNG, JPEG, WebP, PPM, ...) -> a loaded PIL image in its own mode.
-
-    ``mode`` converts (e.g. "RGB"); by default the file's mode (L, LA, RGB, RGBA, I;16 ...) is kept. More than
-    ``MAX_PIXELS`` pixels (by the header, before decoding) is a ValueError: the sample is corrupt.
-    """
-    from PIL import Image
-
-    with warnings.catch_warnings():  # PIL's DecompressionBombWarning: the bound below refuses those first
-        warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-        image = Image.open(io.BytesIO(data))
-    width, height = image.size
-    if width * height > MAX_PIXELS:  # from the header: a huge image is a corrupt sample, not gigabytes
-        raise ValueError(f"{width} x {height} pixels is more than MAX_PIXELS ({MAX_PIXELS})")
-    image.load()  # decode now, so a broken file fails here (inside the corrupt-sample guard)
-    return image.convert(mode) if mode is not None and image.mode != mode else image
-
-
-def decode_audio(data: bytes) -> tuple[np.ndarray, int]:
-    """Encoded audio bytes (WAV, FLAC, OGG, MP3) -> (float32 samples[, channels] array, sample rate).
-
-    Uses soundfile, never torchaudio.load (which needs FFmpeg through torchcodec).
-    """
-    import soundfile as sf
-
-    array, rate = sf.read(io.BytesIO(data), dtype="float32", always_2d=False)
-    return array, int(rate)
-
-
-def decode_cls(data: bytes) -> int:
-    """An integer class id written as text."""
-    return int(data.decode("utf-8").strip())
-
-
-def decode_text(data: bytes) -> str:
-    return data.decode("utf-8")
-
-
-def decode_json(data: bytes) -> Any:
-    return json.loads(data.decode("utf-8"))
-
-
-def decode_npy(data: bytes) -> np.ndarray:
-    return np.load(io.BytesIO(data), allow_pickle=False)
-
-
-def decode_npz(data: bytes) -> dict[str, np.ndarray]:
-    with np.load(io.BytesIO(data), allow_pickle=False) as archive:
-        return {name: archive[name] for name in archive.files}
-
-
-def decode_u8(data: bytes) -> np.ndarray:
-    """Raw bytes as a uint8 array (e.g. byte-level token ids)."""
-    return np.frombuffer(data, dtype=np.uint8).copy()
-
-
-_IMAGE_EXTS = {"png", "jpg", "jpeg", "webp", "ppm", "pgm", "pbm", "pnm", "bmp", "tif", "tiff", "gif"}
-_AUDIO_EXTS = {"wav", "flac", "ogg", "mp3", "opus"}
-_BY_EXT: dict[str, Callable[[bytes], Any]] = {
-    **{e: decode_image for e in _IMAGE_EXTS},
-    **{e: decode_audio for e in _AUDIO_EXTS},
-    **{e: decode_cls for e in ("cls", "cls2", "index", "id")},
-    **{e: decode_text for e in ("txt", "text", "transcript")},
-    "json": decode_json,
-    "npy": decode_npy,
-    "npz": decode_npz,
-    "u8": decode_u8,
-}
-
-
-def decode_field(ext: str, data: bytes) -> Any:
-    """Decode one field by its extension (the part after the last dot); unknown kinds stay bytes."""
-    fn = _BY_EXT.get(ext.rsplit(".", 1)[-1].lower())
-    return fn(data) if fn is not None else data
-
-
-def decode_fields(sample: dict[str, Any]) -> dict[str, Any]:
-    """Every field of a raw sample decoded by extension; ``__key__``/``__url__`` are kept."""
-    return {k: (v if k.startswith("__") else decode_field(k, v)) for k, v in sample.items()}
-
-
-# ---------------------------------------------------------------------------------------------
-# Shard index: where each sample's members are inside a tar file
-# ---------------------------------------------------------------------------------------------
-
-
-@dataclass
-class ShardIndex:
-    """The samples of one tar shard, found by reading its headers only.
-
-    samples: (key, {field: (byte offset, size)}) in file order.
-    bad:     sample number -> why that sample cannot be read (truncated member, duplicate field).
-    error:   why the scan stopped before a clean end of archive (truncated or garbled tar), else None.
-    """
-
-    path: str
-    samples: list[tuple[str, dict[str, tuple[int, int]]]]
-    bad: dict[int, str] = field(default_factory=dict)
-    error: str | None = None
-
-    def __len__(self) -> int:
-        return len(self.samples)
-
-
-class _BrokenTar(Exception):
-    pass
-
-
-_REGULAR = (b"0", b"\0", b"7")
-
-
-def _octal(field: bytes) -> int:
-    if field[:1] and field[0] & 0x80:  # GNU base-256 for sizes >= 8 GiB
-        return int.from_bytes(field[1:], "big")
-    text = field.split(b"\0", 1)[0].strip()
-    return int(text, 8) if text else 0
-
-
-def _pax_records(data: bytes) -> dict[str, str]:
-    out, i = {}, 0
-    while i < len(data) and data[i:i + 1] != b"\0":
-        space = data.index(b" ", i)
-        length = int(data[i:space])
-        key, _, value = data[space + 1:i + length - 1].partition(b"=")
-        out[key.decode("utf-8", "replace")] = value.decode("utf-8", "replace")
-        i += length
-    return out
-
-
-def _tar_files(f: BinaryIO, size: int) -> Iterator[tuple[str, int, int]]:
-    """(name, data offset, data size) of each regular file in an uncompressed tar, by seeking over
-    the data. Handles ustar, pax (path/size) and GNU long names; raises _BrokenTar where the
-    archive is cut or garbled. About 5x faster than tarfile, which matters: shards are indexed
-    on every rank."""
-    pos = 0
-    long_name: str | None = None
-    pax: dict[str, str] = {}
-    while True:
-        f.seek(pos)
-        header = f.read(512)
-        if len(header) == 512 and header.count(0) == 512:
-            return  # end-of-archive block
-        if not header:
-            # Writers (tarfile, GNU tar, webdataset) always end with zero blocks: a file that just
-            # stops was cut, and the last sample may have lost members.
-            raise _BrokenTar(f"the archive stops at byte {pos} without an end-of-archive block (truncated)")
-        if len(header) < 512:
-            raise _BrokenTar(f"truncated tar header at byte {pos}")
-        try:
-            if header[257:262] != b"ustar" and _octal(header[148:156]) != sum(header[:148]) + 256 + sum(header[156:]):
-                raise ValueError("checksum mismatch")
-            length = _octal(header[124:136])
-        except ValueError:
-            raise _BrokenTar(f"invalid tar header at byte {pos}") from None
-        typeflag = header[156:157]
-        data = pos + 512
-        pos = data + -(-length // 512) * 512
-        if typeflag in (b"x", b"L"):  # extended header / GNU long name for the next member
-            payload = f.read(length)
-            if len(payload) < length:
-                raise _BrokenTar(f"truncated extended header at byte {data - 512}")
-            if typeflag == b"L":
-                long_name = payload.split(b"\0", 1)[0].decode("utf-8", "replace")
-            else:
-                pax = _pax_records(payload)
-            continue
-        if typeflag in (b"g", b"K"):
-            continue
-        name = long_name or pax.get("path")
-        if name is None:
-            name = header[0:100].split(b"\0", 1)[0].decode("utf-8", "replace")
-            prefix = header[345:500].split(b"\0", 1)[0] if header[257:263] == b"ustar\0" else b""
-            if prefix:
-                name = prefix.decode("utf-8", "replace") + "/" + name
-        if "size" in pax:
-            length = int(pax["size"])
-            pos = data + -(-length // 512) * 512
-        long_name, pax = None, {}
-        if typeflag in _REGULAR:
-            yield name, data, length
-
-
-def index_shard(path: str | os.PathLike[str]) -> ShardIndex:
-    """Scan a tar shard's headers (seeking over the data) and group members into samples."""
-    path = os.fspath(path)
-    samples: list[tuple[str, dict[str, tuple[int, int]]]] = []
-    bad: dict[int, str] = {}
-    error: str | None = None
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        try:
-            for name, offset, length in _tar_files(f, size):
-                match = _KEY_EXT.match(name)
-                if match is None:
-                    continue  # no extension: webdataset ignores such members too
-                key, ext = match.group(1), match.group(2).lower()
-                if not samples or samples[-1][0] != key:
-                    samples.append((key, {}))
-                n, members = len(samples) - 1, samples[-1][1]
-                if offset + length > size:
-                    bad[n] = f"member {name!r} is truncated ({max(size - offset, 0)} of {length} bytes present)"
-                    error = f"shard ends inside member {name!r}"
-                    break
-                if ext in members:
-                    bad.setdefault(n, f"duplicate field {ext!r} in member {name!r}")
-                members[ext] = (offset, length)
-        except (_BrokenTar, ValueError) as exc:
-            error = f"{exc} after {len(samples)} samples"
-    if error is not None and samples:
-        # The sample being read when the archive broke may have lost fields: never trust it.
-        bad.setdefault(len(samples) - 1, f"incomplete: {error}")
-    return ShardIndex(path, samples, bad, error)
-
-
-def count_samples(path: str | os.PathLike[str]) -> int:
-    """Number of readable samples in a shard (headers only)."""
-    return len(index_shard(path))
 
 
 def manifest_shards(

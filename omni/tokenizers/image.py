@@ -55,7 +55,6 @@ image inside the padded canvas after any resize}``; ``decode`` uses it to invert
 
 from __future__ import annotations
 
-import io
 import math
 import os
 import warnings
@@ -68,6 +67,8 @@ from einops import rearrange
 from torch import Tensor, nn
 from torch.nn import functional as F
 
+from omni.image_bytes import MAX_PIXELS, ImageTooLarge, open_image  # noqa: F401 (MAX_PIXELS: its documented home)
+from omni.image_bytes import check_image_size as _check_size
 from omni.segment import Role, Segment
 from omni.tokenizers.base import (NotARegularFileError, Tokenizer, TypeEmbedding, open_regular_file,
                                   register_tokenizer)
@@ -215,34 +216,16 @@ def _from_pil(img: Any, key: str) -> Tensor:
 # `omni predict`); at the bound an RGB image takes about 1 GB while read. Larger ones are refused naming their
 # size: downscale them first (they are resized to a few hundred pixels anyway). Below PIL's own
 # decompression-bomb limit, so PIL's warning never shows.
-MAX_PIXELS = 8192 * 8192
-
-
-class ImageTooLarge(ValueError):
-    """An encoded image with more than ``MAX_PIXELS`` pixels (by its header)."""
-
-
 def check_image_size(width: int, height: int, key: str = "") -> None:
     """``ImageTooLarge`` (a ValueError) naming the image when ``width * height`` exceeds ``MAX_PIXELS``."""
-    if width * height > MAX_PIXELS:
-        raise ImageTooLarge(f"{_name(key)}: {width} x {height} pixels ({width * height / 1e6:.1f} MP) is more "
-                            f"than omni decodes ({MAX_PIXELS / 1e6:.1f} MP, e.g. 8192 x 8192: "
-                            "omni.tokenizers.image.MAX_PIXELS); downscale it first")
+    _check_size(width, height, _name(key))
 
 
 def _decode_bytes(data: bytes, key: str) -> Tensor:
-    import warnings
-
-    from PIL import Image, ImageOps, UnidentifiedImageError
+    from PIL import Image, UnidentifiedImageError
 
     try:
-        with warnings.catch_warnings():  # PIL's DecompressionBombWarning: MAX_PIXELS refuses those first
-            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-            img = Image.open(io.BytesIO(data))
-        with img:
-            check_image_size(*img.size, key=key)  # from the header alone: nothing decoded yet
-            img.load()  # decode now so truncated/corrupt data fails here, inside the try
-            img = ImageOps.exif_transpose(img)
+        img = open_image(data, _name(key))  # the bound from the header, decoded at once, EXIF orientation applied
     except ImageTooLarge:
         raise
     except (UnidentifiedImageError, OSError, SyntaxError, ValueError, EOFError, Image.DecompressionBombError) as exc:
