@@ -285,12 +285,21 @@ def _generate(args: argparse.Namespace) -> int:
         message = one_line(exc)
         raise UsageError(message if str(args.checkpoint) in message
                          else f"cannot load the export {args.checkpoint}: {message}") from exc
+    if args.draft is not None and args.temperature > 0:
+        raise UsageError("--draft decodes greedily (the same text in fewer passes): not with --temperature > 0")
+    from omni.speculative import DraftStats
+
+    stats = DraftStats()
     try:
         prompts = [lm.encode(text) for text in args.prompts]
         outputs = generate_ids(lm, prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                               top_k=args.top_k, seed=args.seed)
+                               top_k=args.top_k, seed=args.seed, draft=args.draft, draft_tokens=args.draft_tokens,
+                               stats=stats)
     except ValueError as exc:  # a prompt too long for the model, top-k without sampling
         raise UsageError(one_line(exc)) from exc
+    if args.draft is not None:
+        print(f"omni generate: --draft {args.draft}: {stats.passes} decoder passes for {stats.tokens} tokens, "
+              f"{stats.accepted} of {stats.proposed} drafted tokens accepted", file=sys.stderr)
     rows = [{"prompt": text, "completion": lm.decode(ids), "prompt_ids": p, "ids": ids}
             for text, p, ids in zip(args.prompts, prompts, outputs)]
     if args.format == "json":
@@ -412,6 +421,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=_positive_int, default=None, help="sample among the k most likely tokens only")
     p.add_argument("--seed", type=int, default=None, help="seed of the sampling (default: a fresh one)")
     p.add_argument("--head", default=None, help="the text LM head to use (an LM task's), when the export has several")
+    p.add_argument("--draft", choices=("ngram",), default=None, help="speculative decoding, the greedy text in fewer "
+                   "sequential passes: ngram drafts by copying what followed the last words earlier in the prompt")
+    p.add_argument("--draft-tokens", type=number(int, at_least=1, below=33), default=4,  # speculative.MAX_DRAFT_TOKENS
+                   help="tokens drafted and verified per pass with --draft, 1 .. 32 (default: 4)")
     p.add_argument("prompts", nargs="+", metavar="prompt", help="text to continue ('' starts a new document)")
     p.set_defaults(func=_generate)
     from omni.data.cli import add_data_commands, add_tokenizer_commands

@@ -22,8 +22,8 @@ The parts (the split of openai/whisper's decoding.py):
                       keeping the first copy
     Greedy            strategy: argmax per row, all state on the device (what a CUDA graph replays)
     BeamSearch        strategy: K hypotheses per input, chosen on the host, the cache reordered by beam
-    Decoding          the loop: start (prompt -> token 0), then step = model -> filters -> strategy, until the
-                      strategy is done or the longest row's limit
+    Decoding          the loop: start (prompt -> token 0), then step = model -> filters -> strategy, until done
+    (omni.speculative: a drafter's k tokens verified in one pass, the cache rolled back: greedy's tokens, fewer passes)
 
 The rules: a row ends at eos, at its token limit (``max_new_tokens``, and for an input of s seconds
 ceil(tokens_per_second * s) + 8, a hallucination guard that scales with the clip), or when the repetition guard
@@ -141,7 +141,7 @@ class SuppressAtStart(nn.Module):
         self.register_buffer("ids", torch.tensor(sorted(set(int(i) for i in ids)), dtype=torch.long), persistent=False)
 
     def forward(self, logits: Tensor, tokens: Tensor, t: Tensor) -> Tensor:
-        logits[:, self.ids] = torch.where(t == 0, NEG_INF, logits[:, self.ids])
+        logits[:, self.ids] = torch.where(t.reshape(-1, 1) == 0, NEG_INF, logits[:, self.ids])  # t: () or (N,)
         return logits
 
 
@@ -157,10 +157,10 @@ class TimestampRules:
       (every segment has a length, so decoding cannot loop on one time);
     * when the timestamps together are more probable than the most probable text token, a timestamp is chosen.
 
-    The history is ``tokens[:, :t]`` (the strategy's chosen tokens). All rules are masks over the batch and the
-    vocabulary built from ``t`` and the history on the device, then one data-dependent choice per row (the
-    probability rule) taken with a mask too: fixed shapes and no host sync, so the graphed greedy step may carry
-    it. Rows that ended are masked like any other (their choice is ignored)."""
+    The history is ``tokens[:, :t]`` (the strategy's chosen tokens; ``t`` (), or (N,) per row: omni.speculative).
+    All rules are masks over the batch and the vocabulary built from ``t`` and the history on the device, then one
+    data-dependent choice per row (the probability rule) taken with a mask too: fixed shapes and no host sync, so
+    the graphed greedy step may carry it. Rows that ended are masked like any other (their choice is ignored)."""
 
     def __init__(self, timestamp_begin: int, eos_id: int, no_timestamps_id: int | None,
                  max_initial: int | None = 50) -> None:
@@ -184,7 +184,7 @@ class TimestampRules:
         return (at >= 0)[:, None] & (vocab >= self.timestamp_begin) & (vocab < bound[:, None])
 
     def start(self, vocab: Tensor, t: Tensor) -> Tensor:
-        """(V,) banned at the first token: text, eos and timestamps past ``max_initial``."""
+        """(1|N, V) banned at the first token: text, eos and timestamps past ``max_initial``."""
         late = vocab > self.timestamp_begin + self.max_initial if self.max_initial is not None else vocab < 0
         return (t == 0) & ((vocab < self.timestamp_begin) | late)
 
@@ -198,14 +198,14 @@ class TimestampRules:
 
     def __call__(self, logits: Tensor, tokens: Tensor, t: Tensor) -> Tensor:
         N, V, W = logits.shape[0], logits.shape[1], tokens.shape[1]
-        vocab = torch.arange(V, device=logits.device)
+        vocab, tc, t = torch.arange(V, device=logits.device), t.reshape(-1), t.reshape(-1, 1)  # t: () or (N,) per row
         history = (tokens >= self.timestamp_begin) & (torch.arange(W, device=tokens.device) < t)  # (N, W)
 
         def back(k: int) -> Tensor:  # (N,) tokens[:, t - k] (column 0 while t < k: masked by the callers)
             return tokens.gather(1, (t - k).clamp(min=0).expand(N, 1))[:, 0]
 
-        last = (t >= 1) & (back(1) >= self.timestamp_begin)
-        penultimate = (t < 2) | (back(2) >= self.timestamp_begin)  # Whisper counts "no penultimate" as one
+        last = (tc >= 1) & (back(1) >= self.timestamp_begin)
+        penultimate = (tc < 2) | (back(2) >= self.timestamp_begin)  # Whisper counts "no penultimate" as one
         banned = self.pairs(vocab, last, penultimate) | self.monotonic(vocab, tokens, history, last & ~penultimate)
         logits.masked_fill_(banned | self.start(vocab, t), NEG_INF)
         if self.no_timestamps_id is not None:
@@ -235,11 +235,12 @@ class RepetitionGuard:
         self.offsets = torch.arange(1 - W, 1, device=device)  # + t: the last W tokens
 
     def keep(self, tokens: Tensor, t: Tensor | int) -> Tensor:
-        """(N,) tokens to keep of rows whose tokens[:, :t+1] end in a loop, else -1."""
-        tail = tokens.index_select(1, (t + self.offsets).clamp(min=0))  # (N, W); clamped columns: masked below
+        """(N,) tokens to keep of rows whose tokens[:, :t+1] end in a loop, else -1 (``t``: one, or (N,) per row)."""
+        t = torch.as_tensor(t, device=tokens.device).reshape(-1, 1)  # (1|N, 1)
+        tail = tokens.gather(1, (t + self.offsets).clamp(min=0).expand(tokens.shape[0], -1))  # (N, W); clamped: masked
         hit = (tail[:, self.a] == tail[:, self.b]).all(-1) & (t + 1 >= self.period * self.max_repeats)  # (N, periods)
         keep = torch.where(hit, t + 1 - (self.max_repeats - 1) * self.period, -1).amax(-1)  # shortest period
-        return torch.where((keep >= 0) & (t >= self.min_length), keep.clamp(min=self.min_length), -1)
+        return torch.where((keep >= 0) & (t[:, 0] >= self.min_length), keep.clamp(min=self.min_length), -1)
 
 
 @dataclass(frozen=True)
@@ -639,8 +640,7 @@ class GraphedGreedyDecoder:
              ``greedy_decode``, as with any compiled model. Each decoder compiles its own step (meant for long-lived
              decoders; past torch._dynamo's cache_size_limit per process, steps run uncompiled).
     Inference dtype: run the model in its serving dtype (``model.to(torch.bfloat16)``); under autocast the capture
-    disables autocast's weight-cast cache (a graph cannot hold it), so casts are replayed.
-    """
+    disables autocast's weight-cast cache (a graph cannot hold it), so casts are replayed."""
 
     def __init__(self, model: Seq2SeqDecoder, *, max_new_tokens: int = 224,
                  tokens_per_second: float | None = 25.0, max_period: int = 8, max_repeats: int | None = 4,

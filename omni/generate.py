@@ -36,6 +36,7 @@ from omni.decoding import CachedInference, Decoding, DecodingOptions, FullInfere
 from omni.export_kinds import generation_head
 from omni.interfaces import CausalLM
 from omni.model import OmniModel
+from omni.speculative import Drafter, DraftStats, PromptLookup, speculative_decode
 from omni.tokenizers.text import TextTokenizer
 from omni.trunk import KVCache
 
@@ -124,8 +125,19 @@ class PromptedLM:
             if T == 0:
                 n = torch.full((B,), S, device=dev) if mask is None else mask.sum(1)
                 return self.lm.head(hidden[torch.arange(B, device=dev), n - 1])  # each row's last real token
-        positions = cache.real_tokens()[:, None] + torch.arange(T, device=dev)  # (B, T): row b continues at n_b
-        return self.lm.head(self.lm.features(text, positions, cache, cache_position=cache_position)[:, -1])
+        return self.head(self.decode_hidden(text, None, None, cache, cache_position)[:, -1])
+
+    def decode_hidden(self, text: Tensor, memory: Tensor | None, mask: Tensor | None, cache: KVCache | None = None,
+                      cache_position: Tensor | None = None) -> Tensor:
+        """Hidden states (B, T, d) of ``text`` appended to a cache that holds the prompt (``logits``' first call):
+        every position's, which omni.speculative verifies drafts with. Row b continues at its real token count."""
+        if cache is None or memory is not None:
+            raise ValueError("decode_hidden appends to a cache that already holds the prompt (memory=None)")
+        positions = cache.real_tokens()[:, None] + torch.arange(text.shape[1], device=text.device)  # (B, T)
+        return self.lm.features(text, positions, cache, cache_position=cache_position)
+
+    def head(self, hidden: Tensor) -> Tensor:
+        return self.lm.head(hidden)
 
     def _whole(self, text: Tensor, memory: Tensor, mask: Tensor | None) -> Tensor:
         """The reference: each row's real prompt + ``text`` run whole, without a cache or padding."""
@@ -171,10 +183,13 @@ class Sampler:
 @torch.no_grad()
 def generate_ids(lm: CausalLM, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 64,
                  temperature: float = 0.0, top_k: int | None = None, seed: int | None = None,
-                 min_new_tokens: int = 0, use_cache: bool = True) -> list[list[int]]:
+                 min_new_tokens: int = 0, use_cache: bool = True, draft: Drafter | str | None = None,
+                 draft_tokens: int = 4, stats: DraftStats | None = None) -> list[list[int]]:
     """The generated ids of every prompt (ids, each at least one), prompt and eos excluded. ``temperature`` 0 is
     greedy (``top_k`` and ``seed`` then have nothing to do and are refused); > 0 samples (``Sampler``).
     ``use_cache=False`` recomputes every row whole each step (the reference the cached path matches).
+    ``draft``: speculative greedy decoding (omni.speculative; the same tokens in fewer sequential passes) with a
+    ``Drafter`` or "ngram" (prompt lookup), ``draft_tokens`` proposed per pass, ``stats`` a ``DraftStats`` to fill.
     The model runs in the mode it is in (``load_lm`` returns it in eval mode)."""
     if not prompts:
         return []
@@ -197,6 +212,16 @@ def generate_ids(lm: CausalLM, prompts: Sequence[Sequence[int]], *, max_new_toke
         ids[b, :len(p)] = torch.as_tensor(list(p), dtype=torch.long)
         mask[b, :len(p)] = True
     model = PromptedLM(lm)
+    if draft is not None:
+        if temperature > 0 or not use_cache:
+            raise ValueError("draft decoding is greedy through the KV cache: not with temperature > 0 or "
+                             "use_cache=False")
+        drafter = PromptLookup(prompts) if draft == "ngram" else draft
+        if not isinstance(drafter, Drafter):
+            raise ValueError(f"draft must be 'ngram' or a Drafter (omni.speculative), got {draft!r}")
+        return speculative_decode(model, ids, mask, drafter=drafter, draft_tokens=draft_tokens, stats=stats,
+                                  max_new_tokens=max_new_tokens, tokens_per_second=None, max_repeats=None,
+                                  min_new_tokens=min_new_tokens)
     inference = CachedInference(model, ids, mask, max_new_tokens) if use_cache else FullInference(model, ids)
     strategy = Greedy(B, max_new_tokens, model.eos_id, model.pad_id, None, device)
     filters = options.filters(model) + ([Sampler(temperature, top_k, seed)] if temperature > 0 else [])

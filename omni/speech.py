@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -48,6 +48,7 @@ from omni.asr_text import (CTC_BLANK, ctc_greedy_decode, ctc_labels, edit_distan
                            error_rates, normalize_text)  # the ASR text helpers (a leaf), still importable from here
 from omni.heads import LMHead
 from omni.interfaces import Seq2SeqDecoder
+from omni.speculative import Drafter, DraftStats, PromptLookup, Reference, speculative_decode
 from omni.tokenizers.audio import AudioTokenizer
 from omni.tokenizers.text import IGNORE_INDEX, TextTokenizer
 from omni.trunk import KVCache, Trunk, TrunkConfig
@@ -143,8 +144,12 @@ class SpeechRecognizer(nn.Module):
                       cache: KVCache | None = None, cache_position: Tensor | None = None) -> Tensor:
         """text ids (B, T) -> decoder hidden states (B, T, d); with a cache, ``memory`` is needed on the
         first call only (cross-attention K/V are cached). ``cache_position``: the cache slot of text[:, 0]
-        as a device tensor (fixed-shape decoding, see Trunk.forward), else after ``cache.length``."""
-        return self.decoder(self.text_embed(text), None, "causal" if cache is None else None,
+        as a device tensor (fixed-shape decoding, see Trunk.forward), else after ``cache.length``. Positions
+        continue after the real tokens the cache holds per row: the slot, but after a speculative rollback
+        (omni.speculative) a row's slots may have gaps."""
+        positions = None if cache is None else cache.real_tokens()[:, None] + torch.arange(text.shape[1],
+                                                                                           device=text.device)
+        return self.decoder(self.text_embed(text), positions, "causal" if cache is None else None,
                             memory=memory, memory_mask=audio_mask, cache=cache, cache_position=cache_position)
 
     def new_cache(self, memory: Tensor, max_length: int) -> KVCache:
@@ -215,6 +220,13 @@ class TimestampMode:
     def logits(self, text: Tensor, memory: Tensor | None, audio_mask: Tensor | None, cache: KVCache | None = None,
                cache_position: Tensor | None = None) -> Tensor:
         return self.model.logits(text, memory, audio_mask, cache, cache_position)
+
+    def decode_hidden(self, text: Tensor, memory: Tensor | None, audio_mask: Tensor | None,
+                      cache: KVCache | None = None, cache_position: Tensor | None = None) -> Tensor:
+        return self.model.decode_hidden(text, memory, audio_mask, cache, cache_position)
+
+    def head(self, hidden: Tensor) -> Tensor:
+        return self.model.head(hidden)
 
 
 def timestamp_segments(ids: Sequence[int], timestamp_begin: int, *, offset: float = 0.0,
@@ -423,16 +435,49 @@ speech_loss = SpeechLoss()  # decoder cross-entropy only (the loss of every mode
 # Decoding (omni.decoding: greedy_decode, beam_search and GraphedGreedyDecoder)
 
 
+DraftSource = Callable[[Tensor, Tensor | None], Drafter]  # (memory, audio_mask) of a batch -> its drafter
+
+
+def ngram_draft(memory: Tensor, audio_mask: Tensor | None = None) -> Drafter:
+    """A ``DraftSource``: prompt lookup over each row's own text so far (``omni.speculative.PromptLookup``)."""
+    return PromptLookup()
+
+
+def ctc_draft(model: Any, text_tok: TextTokenizer, max_ngram: int = 3) -> DraftSource:
+    """A ``DraftSource``: the CTC head's greedy transcript of every row (``ctc_greedy_decode``), re-tokenized into
+    decoder ids (without bos / eos) and aligned to the text decoded so far (``omni.speculative.Reference``)."""
+    head = getattr(getattr(model, "model", model), "ctc_head", None)  # a TimestampMode's model holds the head
+    if head is None:
+        raise ValueError("draft ctc needs a speech model trained with a CTC head (recipes/whisper.py --ctc-weight "
+                         "> 0); use draft ngram for this model")
+
+    def source(memory: Tensor, audio_mask: Tensor | None = None) -> Drafter:
+        drafts = []
+        for text in ctc_greedy_decode(head(memory), audio_mask):
+            ids = text_tok.encode(text).tokens.tolist()
+            drafts.append(ids[int(text_tok.add_bos):len(ids) - int(text_tok.add_eos)])
+        return Reference(drafts, max_ngram)
+
+    return source
+
+
 @torch.no_grad()
 def decode_batch(model: Seq2SeqDecoder, audio: Tensor, audio_mask: Tensor, *, beam_size: int = 1,
-                 length_penalty: float | Ranker | None = None, **guards: Any) -> list[list[int]]:
+                 length_penalty: float | Ranker | None = None, draft: DraftSource | None = None,
+                 draft_tokens: int = 4, draft_stats: DraftStats | None = None, **guards: Any) -> list[list[int]]:
     """Padded audio tokens (B, S, F) + mask -> the generated ids of each row (greedy for beam_size 1, else beam
     search, ranked by ``length_penalty``: None = the model's ranker, ``SpeechRecognizer.ranker``). The model's own
     decoding guards (``SpeechRecognizer.decoding``: a converted Whisper's) are the defaults of ``guards``.
-    ``model`` may be a ``TimestampMode`` (ids then hold timestamp tokens)."""
+    ``model`` may be a ``TimestampMode`` (ids then hold timestamp tokens). ``draft`` (``ctc_draft``, ``ngram_draft``):
+    greedy's ids by speculative decoding (omni.speculative), ``draft_tokens`` a pass, counted in ``draft_stats``."""
     rules = getattr(model, "decoding", None)
     guards = {**dict(rules.guards), **guards} if isinstance(rules, DecodingRules) else guards
     memory = model.encode(audio, audio_mask)
+    if draft is not None:
+        if beam_size != 1:
+            raise ValueError(f"draft decoding is greedy: beam_size must be 1, got {beam_size}")
+        return speculative_decode(model, memory, audio_mask, drafter=draft(memory, audio_mask),
+                                  draft_tokens=draft_tokens, stats=draft_stats, **guards)
     if beam_size == 1:
         return greedy_decode(model, memory, audio_mask, **guards)
     return beam_search(model, memory, audio_mask, beam_size=beam_size, length_penalty=length_penalty, **guards)
@@ -452,5 +497,5 @@ __all__ = [
     "beam_search", "build_speech_recognizer", "ctc_greedy_decode", "ctc_labels", "edit_distance", "error_counts",
     "error_rates", "greedy_decode", "normalize_text", "pad_audio", "speech_example", "speech_loss",
     "transcribe_batch", "MAX_INITIAL_TIMESTAMP", "TIMESTAMP_SECONDS", "TimestampMode", "decode_batch",
-    "timestamp_segments",
+    "timestamp_segments", "DraftSource", "ctc_draft", "ngram_draft",
 ]
