@@ -164,6 +164,9 @@ def _transcribe(args: argparse.Namespace) -> int:
     from omni.pipelines.transcribe import transcribe_files
     from omni.transcript_formats import render, transcript_json
 
+    if args.draft is not None and args.beam_size != 1:
+        raise UsageError(f"--draft decodes greedily (the same text in fewer passes): not with --beam-size "
+                         f"{args.beam_size}")
     if args.format in ("srt", "vtt") and len(args.files) > 1 and args.output_dir is None:
         raise UsageError(f"--format {args.format} is one document per file: give --output-dir DIR for "
                          f"{len(args.files)} files")
@@ -203,7 +206,8 @@ def _transcribe(args: argparse.Namespace) -> int:
         results = transcribe_files(checkpoint, args.files, beam_size=args.beam_size,
                                    length_penalty=args.length_penalty, batch_size=args.batch_size, device=args.device,
                                    max_new_tokens=args.max_new_tokens, return_exceptions=True, timestamps=timed,
-                                   timing={"method": args.timestamps, "keep_alignment": bool(pictures)})
+                                   timing={"method": args.timestamps, "keep_alignment": bool(pictures)},
+                                   draft=args.draft, draft_tokens=args.draft_tokens)
         if pictures:
             from omni.alignment_plot import write_alignment_png
             from omni.export import load_tokenizers
@@ -374,6 +378,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "(a converted Whisper's: score / length, as whisper.decode; omni's models: GNMT 1.0)")
     p.add_argument("--batch-size", type=_positive_int, default=16, help="30 s windows decoded together")
     p.add_argument("--max-new-tokens", type=_positive_int, default=224, help="most tokens per 30 s window")
+    p.add_argument("--draft", choices=("ctc", "ngram"), default=None, help="speculative decoding, the greedy text in "
+                   "fewer sequential decoder passes: ctc drafts with the export's CTC head, ngram by copying what "
+                   "followed the last words earlier in the text")
+    p.add_argument("--draft-tokens", type=number(int, at_least=1, below=33), default=4,  # speculative.MAX_DRAFT_TOKENS
+                   help="tokens drafted and verified per pass with --draft, 1 .. 32 (default: 4)")
     p.add_argument("files", nargs="+", help="audio files (WAV, FLAC, MP3, OGG ...): any sample rate, channels, length")
     p.set_defaults(func=_transcribe)
     from omni.interop import CONVERTERS

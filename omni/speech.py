@@ -448,8 +448,8 @@ def ctc_draft(model: Any, text_tok: TextTokenizer, max_ngram: int = 3) -> DraftS
     decoder ids (without bos / eos) and aligned to the text decoded so far (``omni.speculative.Reference``)."""
     head = getattr(getattr(model, "model", model), "ctc_head", None)  # a TimestampMode's model holds the head
     if head is None:
-        raise ValueError("draft ctc needs a speech model trained with a CTC head (recipes/whisper.py --ctc-weight "
-                         "> 0); use draft ngram for this model")
+        raise ValueError("draft 'ctc' (omni transcribe --draft ctc) needs a speech model with a CTC head (trained "
+                         "with ctc_weight > 0); draft 'ngram' works with any model")
 
     def source(memory: Tensor, audio_mask: Tensor | None = None) -> Drafter:
         drafts = []

@@ -348,3 +348,40 @@ def test_cli_generate_draft(tmp_path, capsys):
     assert "--draft ngram:" in out.err and "decoder passes for" in out.err
     assert "--draft-tokens" in cli_error(base + ["--draft", "ngram", "--draft-tokens", "0", "x"], capsys, prog=None)
     assert "--temperature" in cli_error(base + ["--draft", "ngram", "--temperature", "0.5", "x"], capsys, prog=None)
+
+
+def test_cli_transcribe_draft(speech, tmp_path, capsys):
+    """omni transcribe --draft ctc|ngram prints greedy's transcripts; --draft ctc on an export without a CTC head and
+    --draft with --beam-size 2 are one line, exit 2."""
+    import json
+
+    import soundfile as sf
+
+    from _interop import cli_error
+
+    from omni.cli import main
+    from omni.export import save_pretrained
+
+    model, text, _, _ = speech
+    audio = AudioTokenizer()
+    config = {"builder": "omni.speech:build_speech_recognizer", "encoder": preset("tiny").to_dict(),
+              "decoder": preset("tiny", cross_attention=True).to_dict()}
+    ctc = save_pretrained(model, tmp_path / "ctc", {**config, "ctc": True}, tokenizers={"audio": audio, "text": text})
+    plain = save_pretrained(tiny_model(audio, text), tmp_path / "plain", config,
+                            tokenizers={"audio": audio, "text": text})
+    g = torch.Generator().manual_seed(4)
+    files = []
+    for i, seconds in enumerate((0.8, 1.3)):
+        files.append(str(tmp_path / f"clip{i}.wav"))
+        sf.write(files[-1], (torch.randn(int(16000 * seconds), generator=g) * 0.1).numpy(), 16000)
+    base = ["transcribe", "--checkpoint", str(ctc), "--device", "cpu", "--format", "json"]
+    assert main(base + files) == 0
+    greedy = json.loads(capsys.readouterr().out)
+    assert any(row["text"] for row in greedy)
+    for draft in ("ctc", "ngram"):
+        assert main(base + ["--draft", draft, "--draft-tokens", "3"] + files) == 0
+        assert json.loads(capsys.readouterr().out) == greedy
+    err = cli_error(["transcribe", "--checkpoint", str(plain), "--draft", "ctc", files[0]], capsys, prog=None)
+    assert "--draft ctc" in err and "CTC head" in err
+    err = cli_error(base + ["--draft", "ngram", "--beam-size", "2", files[0]], capsys, prog=None)
+    assert "--beam-size" in err

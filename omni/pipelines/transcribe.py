@@ -45,7 +45,9 @@ from omni.export import load_config, load_pretrained, load_tokenizers
 from omni.export_kinds import speech_task
 from omni.interfaces import Seq2SeqDecoder
 from omni.pipelines.timing import time_windows, timing_method
-from omni.speech import SILENCE_PEAK, TASK, SpeechRecognizer, decode_batch, pad_audio, timestamp_segments
+from omni.speculative import check_draft_tokens
+from omni.speech import (SILENCE_PEAK, TASK, SpeechRecognizer, ctc_draft, decode_batch, ngram_draft, pad_audio,
+                         timestamp_segments)
 from omni.prefix_lm import PrefixLMTranscriber
 from omni.timestamps import (Method, TimedSegment, TimedTranscript, WordTiming, segment_words, token_char_ends,
                              transcript_words)
@@ -653,7 +655,7 @@ def transcribe_files(checkpoint: str | os.PathLike, files: Sequence[str | os.Pat
                      length_penalty: float | None = None, batch_size: int = 16, device: str | None = None,
                      max_new_tokens: int = 224, return_exceptions: bool = False, timestamps: bool = False,
                      timing: dict[str, Any] | None = None, windows: str = "auto",
-                     whisper: WhisperSeek | None = None) -> list[Any]:
+                     whisper: WhisperSeek | None = None, draft: str | None = None, draft_tokens: int = 4) -> list[Any]:
     """Transcribe audio files (WAV, FLAC, MP3, OGG ...; any rate, channels, length) with a speech recognition
     export (recipes/whisper.py, a converted Whisper) or the transcribe task of a multitask export
     (recipes/multimodal.py). Every file is read and checked first, so a bad file fails before any decoding, naming
@@ -668,7 +670,16 @@ def transcribe_files(checkpoint: str | os.PathLike, files: Sequence[str | os.Pat
     decodes, without timestamps), "whisper" (``whisper.transcribe``'s loop
     and rules, ``WhisperSeek``: ``whisper`` gives its options, default whisper's with this call's beam_size,
     length_penalty (whisper's meaning) and max_new_tokens as sample_len) or "pauses" (omni's ``PauseWindows``, each
-    window decoded alone: ``whisper.decode`` per window)."""
+    window decoded alone: ``whisper.decode`` per window).
+
+    ``draft``: "ctc" (the export's CTC head drafts) or "ngram" (the text so far does): speculative decoding of the
+    windows (omni.speculative: greedy's text in fewer decoder passes), ``draft_tokens`` per pass; greedy only."""
+    if draft is not None:
+        if draft not in ("ctc", "ngram"):
+            raise ValueError(f"draft must be ctc or ngram, got {draft!r}")
+        if beam_size != 1:
+            raise ValueError(f"draft decoding is greedy: beam_size must be 1, got {beam_size}")
+        check_draft_tokens(draft_tokens)
     for option, value in (("beam_size", beam_size), ("batch_size", batch_size), ("max_new_tokens", max_new_tokens)):
         if value < 1:
             raise ValueError(f"{option} must be >= 1, got {value}")
@@ -708,6 +719,15 @@ def transcribe_files(checkpoint: str | os.PathLike, files: Sequence[str | os.Pat
     parts = Parts(model, audio_tok, text_tok)
     batch = dict(keys=keys, batch_size=batch_size, beam_size=beam_size, length_penalty=length_penalty,
                  max_new_tokens=max_new_tokens)
+    if draft is not None:
+        if seek is not None:
+            raise ValueError(f"{os.fspath(checkpoint)}: draft decoding runs on omni's pause windows; this export "
+                             "is transcribed by whisper.transcribe's loop (windows 'whisper')")
+        try:
+            source = ctc_draft(model, text_tok) if draft == "ctc" else ngram_draft
+        except ValueError as exc:
+            raise ValueError(f"{os.fspath(checkpoint)}: {exc}") from exc
+        batch.update(draft=source, draft_tokens=draft_tokens)
     out: list[Any]
     if tokens:
         keep = bool((timing or {}).get("keep_alignment", False))
