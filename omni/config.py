@@ -173,7 +173,9 @@ def trunk_keys() -> dict[str, Key]:
             keys[f.name] = Key(type=str, check=one_of(*typing.get_args(hint)))
             continue
         kinds = _hint_types(hint)
-        if kinds is None or not set(kinds) <= {int, float, bool, None}:
+        if kinds is None and set(typing.get_args(hint)) == {dict, type(None)}:  # attention: TrunkConfig checks it
+            kinds = (dict, None)
+        if kinds is None or not set(kinds) <= {int, float, bool, None, dict}:
             raise TypeError(f"TrunkConfig.{f.name}: {hint} is not a type trunk_overrides can check")
         keys[f.name] = Key(type=kinds, check=TRUNK_RANGES.get(f.name))
     return keys

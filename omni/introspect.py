@@ -178,16 +178,19 @@ def capture(model: nn.Module, attention: bool = True, hidden_states: bool = True
     patched: list[nn.Module] = []
     handles: list[torch.utils.hooks.RemovableHandle] = []
 
-    # Every layer gets the same BlockMask: convert it once (the latest one only, so a capture over many batches
-    # holds one dense mask, not one per batch; holding the mask keeps its id from being reused meanwhile).
-    converted: list = [None, None]  # [BlockMask, its dense (B, H, Q, KV) bool]
+    # Layers share BlockMasks (one per batch, or one per attention pattern of the trunk's schedule): convert each
+    # once, keeping the latest few only, so a capture over many batches holds a handful of dense masks, not one
+    # per batch (holding a mask keeps its id from being reused meanwhile).
+    converted: dict[int, tuple[BlockMask, Tensor]] = {}  # id -> (BlockMask, its dense (B, H, Q, KV) bool)
 
     def dense(mask: Mask) -> Mask:
         if not isinstance(mask, BlockMask):
             return mask
-        if converted[0] is not mask:
-            converted[:] = [mask, block_mask_to_dense(mask)]
-        return converted[1]
+        if id(mask) not in converted:
+            if len(converted) >= 4:
+                converted.pop(next(iter(converted)))  # the oldest
+            converted[id(mask)] = (mask, block_mask_to_dense(mask))
+        return converted[id(mask)][1]
 
     def recorder(name: str) -> Callable[[Tensor, Tensor, Tensor, Mask], Tensor]:
         def record(q: Tensor, k: Tensor, v: Tensor, mask: Mask) -> Tensor:

@@ -83,7 +83,7 @@ class OmniModel(nn.Module):
     def forward_features(self, batch: PackedBatch, mask: Mask | None = None) -> Tensor:
         """Packed batch -> hidden states (B, T, d). ``mask`` defaults to the batch's packed mask."""
         if mask is None:
-            mask = batch.attention_mask()
+            mask = batch.attention_mask(schedule=self.trunk.schedule)  # per-layer masks for attention patterns
         return self.trunk(self.embed(batch), batch.positions, mask)
 
     def forward_head(self, features: Tensor, batch: PackedBatch, head: str, modality: str) -> Tensor:

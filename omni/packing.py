@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask
 
+from omni.attention_patterns import LayerMasks, Layout, Schedule, layer_masks
 from omni.segment import Role, Sample
 
 BLOCK_SIZE = 128  # FlexAttention's tile: packed rows are padded to a multiple of it
@@ -93,12 +94,22 @@ class PackedBatch:
             segment=self.segment.pin_memory(), causal=self.causal.pin_memory(),
             keys=self.keys, labels=self.labels)
 
-    def attention_mask(self, kind: Literal["auto", "dense", "block"] = "auto") -> Tensor | BlockMask:
+    def attention_mask(self, kind: Literal["auto", "dense", "block"] = "auto",
+                       schedule: Schedule | None = None) -> Tensor | BlockMask | LayerMasks:
         """The packed mask: a FlexAttention BlockMask on CUDA ("auto"), a dense bool mask on CPU.
-        Build it once per batch and hand it to every layer."""
+        Build it once per batch and hand it to every layer. ``schedule``: a trunk's attention patterns
+        (``Trunk.schedule``, from TrunkConfig.attention): when sparse, per-layer masks of the packing rule AND each
+        layer's pattern, BlockMasks for "auto" / "block" (FlexAttention on CUDA, the linear-memory banded path on
+        the CPU), dense for "dense"."""
+        if schedule is not None and schedule.sparse:
+            return layer_masks(self.layout(), schedule, "dense" if kind == "dense" else "block")
         if kind == "block" or (kind == "auto" and self.document.is_cuda):
             return block_mask(self.document, self.segment, self.causal)
         return dense_mask(self.document, self.segment, self.causal)
+
+    def layout(self) -> Layout:
+        """What attention patterns read per token (omni.attention_patterns.Layout)."""
+        return Layout.of(self.document, self.segment, self.causal, self.positions)
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -10,12 +10,16 @@ Attention masks are one of
   "causal"          plain causal attention                 -> SDPA is_causal (flash / cuDNN)
   bool Tensor       allowed[b, h, q, k], broadcastable     -> SDPA with a dense mask (CPU, decoding)
   BlockMask         packed / modality-aware (omni.packing) -> FlexAttention
+  LayerMasks        one of the above per layer (attention patterns: omni.attention_patterns)
 and give the same numbers on every path (tests/test_trunk.py checks each against a dense reference).
+``TrunkConfig.attention`` sets structured sparse attention per layer (local windows, 2-D windows, dilated, global
+tokens: omni.attention_patterns); the trunk then builds a BlockMask per pattern from the mask it is given.
 
-FlexAttention runs compiled kernels on CUDA and its eager reference math elsewhere; ``flex_mode("compiled")``
-runs the compiled kernels on the CPU too (the BlockMask path of every GPU run, tested on the CPU by
-tests/test_flex_cpu.py). Torch has no FlexAttention backward on the CPU: there the gradient is that of the same
-attention over the BlockMask's dense mask (``block_mask_to_dense``), recomputed in the backward pass.
+FlexAttention runs compiled kernels on CUDA; elsewhere a BlockMask runs ``banded_attention`` (eager, each query
+block over its listed key blocks only: memory linear in T for local patterns); ``flex_mode("compiled")`` runs the
+compiled kernels on the CPU too (the BlockMask path of every GPU run, tested on the CPU by tests/test_flex_cpu.py).
+Torch has no FlexAttention backward on the CPU: there the gradient is that of ``banded_attention`` over the same
+BlockMask, recomputed in the backward pass.
 """
 
 from __future__ import annotations
@@ -31,7 +35,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.attention.flex_attention import BlockMask, create_mask, flex_attention
 
-Mask = Union[None, Literal["causal"], Tensor, BlockMask]
+from omni.attention_patterns import (LayerMasks, RingKVCache, banded_attention, normalise_config, pattern_masks,
+                                     schedule_from_config)
+
+Mask = Union[None, Literal["causal"], Tensor, BlockMask, LayerMasks]
 Activation = Literal["gelu", "gelu_tanh", "relu", "swiglu"]  # the MLP's nonlinearity: see ACTIVATIONS
 
 
@@ -52,6 +59,9 @@ class TrunkConfig:
     cross_attention: bool = False  # adds a cross-attention sublayer (encoder-decoder decoder)
     bias: bool = True
     dropout: float = 0.0
+    # Structured sparse attention per layer (omni.attention_patterns), e.g. {"pattern": {"kind": "window",
+    # "before": 64, "after": 64}, "full_every": 4}; None = full attention everywhere (converted peers, old configs).
+    attention: dict | None = None
     # The field `activation` replaced: saved configs still say mlp="gelu" (the tanh form) or "swiglu".
     mlp: InitVar[Literal["gelu", "swiglu"] | None] = None
 
@@ -72,6 +82,7 @@ class TrunkConfig:
             raise ValueError(f"2-D RoPE needs head_dim divisible by 4, got {self.head_dim}")
         if self.positions == "rope" and self.head_dim % 2:
             raise ValueError(f"RoPE needs an even head_dim, got {self.head_dim}")
+        self.attention = normalise_config(self.attention, self.n_layers)  # a plain dict for config.json
 
     @property
     def head_dim(self) -> int:
@@ -282,7 +293,9 @@ def flex_mode(mode: FlexMode) -> Iterator[None]:
 
 def _flex(q: Tensor, k: Tensor, v: Tensor, mask: BlockMask, gqa: bool) -> Tensor:
     compiled = _flex_mode == "compiled" or (_flex_mode == "auto" and q.is_cuda)
-    fn = _compiled_flex() if compiled else flex_attention
+    if not compiled:  # eager: the linear-memory banded path over the same block tables (differentiable)
+        return banded_attention(q, k, v, mask)
+    fn = _compiled_flex()
     D = q.shape[-1]
 
     def call(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
@@ -293,7 +306,7 @@ def _flex(q: Tensor, k: Tensor, v: Tensor, mask: BlockMask, gqa: bool) -> Tensor
         return fn(q, k, v, block_mask=mask, enable_gqa=gqa)
 
     if not q.is_cuda and torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        return _FlexDenseBackward.apply(q, k, v, mask, call)
+        return _FlexBandedBackward.apply(q, k, v, mask, call)
     return call(q, k, v)
 
 
@@ -331,11 +344,11 @@ def block_mask_to_dense(mask: BlockMask) -> Tensor:
     return full | (partial & allowed)
 
 
-class _FlexDenseBackward(torch.autograd.Function):
+class _FlexBandedBackward(torch.autograd.Function):
     """FlexAttention where torch has no backward for it (the CPU: inputs that require grad are refused). The
-    forward runs Flex (``call``) on the inputs detached; the backward differentiates the same attention written
-    densely, softmax(q k^T / sqrt(D) + mask) v over ``block_mask_to_dense`` of the BlockMask (a query that sees
-    no key gets zeros, as Flex gives). Memory O(Tq x Tk) per head, as SDPA with a dense mask: CPU runs and tests."""
+    forward runs Flex (``call``) on the inputs detached; the backward differentiates the same attention computed
+    by ``banded_attention`` over the BlockMask's tables (a query that sees no key gets zeros, as Flex gives):
+    memory linear in T for local patterns, as the forward's."""
 
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, mask: BlockMask, call: Callable) -> Tensor:  # type: ignore[override]
@@ -345,15 +358,9 @@ class _FlexDenseBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple:  # type: ignore[override]
-        q, k, v = ctx.saved_tensors
-        allowed = block_mask_to_dense(ctx.mask)[..., :q.shape[2], :k.shape[2]]  # (B|1, H|1, Tq, Tk)
         with torch.enable_grad():
-            q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
-            rep = q.shape[1] // k.shape[1]  # GQA: query head h reads key/value head h // rep
-            kr, vr = (k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)) if rep > 1 else (k, v)
-            scores = (q @ kr.transpose(-2, -1)) * q.shape[-1] ** -0.5
-            probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1).nan_to_num(0.0)
-            dq, dk, dv = torch.autograd.grad(probs @ vr, (q, k, v), grad)
+            q, k, v = (t.detach().requires_grad_() for t in ctx.saved_tensors)
+            dq, dk, dv = torch.autograd.grad(banded_attention(q, k, v, ctx.mask), (q, k, v), grad)
         return dq, dk, dv, None, None
 
 
@@ -588,6 +595,7 @@ class Trunk(nn.Module):
         absolute = ABSOLUTE_POSITIONS.get(cfg.positions)
         self.absolute = absolute(cfg) if absolute is not None else None
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.schedule = schedule_from_config(cfg.attention, cfg.n_layers)  # per-layer pattern, None = full
         self.norm = make_norm(cfg) if cfg.final_norm else nn.Identity()
         self.apply(self._init_weights)
         for name, p in self.named_parameters():  # GPT-2: scale residual projections by depth
@@ -636,16 +644,23 @@ class Trunk(nn.Module):
             x = x + self.absolute(positions).to(x.dtype)
         rope = self.rope(positions) if self.rope is not None else None
         if cache is not None:
+            if self.schedule.sparse and not isinstance(cache, RingKVCache):
+                raise ValueError("a trunk with attention patterns decodes with the cache Trunk.new_cache makes")
             mask = cache.attention_mask(T, mask, pad, slots)
+        elif self.schedule.sparse:
+            mask = pattern_masks(self.schedule, mask, positions)
         for i, block in enumerate(self.blocks):
-            x = block(x, rope, mask, memory, memory_mask, cache, i, slots)
+            x = block(x, rope, mask[i] if isinstance(mask, LayerMasks) else mask, memory, memory_mask, cache, i, slots)
         if cache is not None and slots is None:
             cache.length += T
         return self.norm(x)
 
     def new_cache(self, batch_size: int, max_length: int, device: torch.device | str | None = None,
-                  dtype: torch.dtype | None = None) -> KVCache:
+                  dtype: torch.dtype | None = None) -> KVCache | RingKVCache:
         p = next(self.parameters())
+        if self.schedule.sparse:  # windowed layers keep a ring of their window
+            return RingKVCache.empty(self.schedule, self.cfg.kv_heads, self.cfg.head_dim, batch_size, max_length,
+                                     device or p.device, dtype or p.dtype)
         return KVCache.empty(self.cfg, batch_size, max_length, device or p.device, dtype or p.dtype)
 
     def num_params(self) -> int:
