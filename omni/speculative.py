@@ -60,15 +60,20 @@ def continuation(source: Sequence[int], suffix: Sequence[int], k: int, max_ngram
                  near: int | None = None, exclude_end: bool = False) -> list[int] | None:
     """The up to ``k`` tokens that follow an occurrence in ``source`` of the longest tail of ``suffix`` (n-grams of
     ``max_ngram`` .. 1 tokens), None when no tail occurs. Among occurrences of one n-gram: the one ending nearest
-    to ``near`` (alignment of a draft to the text so far), else the latest. ``exclude_end``: an occurrence must be
-    followed by a token (the suffix itself, at the end of ``source``, is not a match)."""
+    to ``near`` (alignment of a draft to the text so far), else the latest followed by k tokens (else by the
+    most: in a text that repeats itself the latest occurrence sits just before the end, with one token to copy).
+    ``exclude_end``: an occurrence must be followed by a token (the suffix itself, at the end of ``source``, is not
+    a match)."""
     limit = len(source) - 1 if exclude_end else len(source)
     for n in range(min(max_ngram, len(suffix)), 0, -1):
         tail = list(suffix[-n:])
         ends = [i + n for i in range(0, limit - n + 1) if list(source[i:i + n]) == tail]
         ends = [e for e in ends if e < len(source)]  # something follows
         if ends:
-            end = max(ends) if near is None else min(ends, key=lambda e: (abs(e - near), e))
+            if near is None:
+                end = max(ends, key=lambda e: (min(len(source) - e, k), e))
+            else:
+                end = min(ends, key=lambda e: (abs(e - near), e))
             return list(source[end:end + k])
     return None
 
@@ -217,7 +222,7 @@ def speculative_decode(model: Seq2SeqDecoder, memory: Tensor, mask: Tensor | Non
         slot = torch.tensor(P, dtype=torch.long, device=dev)
         logits = verifier.head(verifier.decode_hidden(inputs, None, inference.mask, cache, slot))  # (B, T, V)
         stats.passes += 1
-        kept = _accept(greedy, filters, logits, drafts, offered, count, live, k)  # (B,) inputs kept per row
+        kept = _accept(greedy, filters, logits, drafts, offered, count, live)  # (B,) inputs kept per row
         cache.rollback(real + kept)
         P += int(kept.max())
         stats.proposed += int(offered.sum())
@@ -228,7 +233,7 @@ def speculative_decode(model: Seq2SeqDecoder, memory: Tensor, mask: Tensor | Non
 
 
 def _accept(greedy: Greedy, filters: list, logits: Tensor, drafts: Tensor, offered: Tensor, count: Tensor,
-            live: Tensor, k: int) -> Tensor:
+            live: Tensor) -> Tensor:
     """Greedy's choices at the T verified positions of every row, its stop rules applied in order; the state of
     ``greedy`` (out, tokens, length, done) advanced IN PLACE -> (B,) new tokens per row (0 for rows already done),
     which is also the number of this pass's inputs each row keeps in the cache."""

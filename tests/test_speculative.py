@@ -268,7 +268,9 @@ def test_gpt2_generation():
 
 
 def test_continuation_and_prompt_lookup():
-    assert continuation([5, 6, 7, 8, 5, 6, 9], [1, 5, 6], 3, 3) == [9]  # the latest occurrence of the 2-gram
+    assert continuation([5, 6, 7, 8, 5, 6, 9], [1, 5, 6], 1, 3) == [9]  # the latest occurrence of the 2-gram
+    assert continuation([5, 6, 7, 8, 5, 6, 9], [1, 5, 6], 2, 3) == [7, 8]  # the latest followed by k tokens
+    assert continuation([4, 4, 4, 4, 4], [4, 4], 3, 2, exclude_end=True) == [4, 4, 4]  # a repeating text
     assert continuation([5, 6, 7, 8, 5, 6, 9], [5, 6], 2, 3, near=2) == [7, 8]  # the one nearest position 2
     assert continuation([1, 2, 3], [4], 2, 3) is None
     lookup = PromptLookup([[10, 11, 12, 13]], max_ngram=2)
