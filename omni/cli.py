@@ -141,7 +141,7 @@ def _predict(args: argparse.Namespace) -> int:
         try:
             results = predict_files(checkpoint, args.images, top_k=args.top_k, device=args.device,
                                     return_exceptions=True, attention=args.attention,
-                                    attention_method=args.attention_method)
+                                    attention_method=args.attention_method, invert=args.invert)
         except OSError as exc:  # a picture that could not be written (the disk filled meanwhile)
             if writing("--attention", args.attention, exc):
                 raise UsageError(write_error("--attention", args.attention, exc)) from exc
@@ -352,6 +352,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--attention-method", choices=("rollout", "last"), default="rollout",
                    help="rollout: attention rollout over every layer; last: the last layer's attention, read by "
                         "the query the head pools (CLS or the mean of all tokens) (default: rollout)")
+    p.add_argument("--invert", choices=("auto", "yes", "no"), default="auto",
+                   help="grey levels inverted: auto (default) when the photo's background is the opposite of the "
+                        "model's training images' (a dark garment on white, for a Fashion-MNIST model), saying so")
     p.add_argument("images", nargs="+", help="image files of any size, mode and format (PNG, JPEG, ...)")
     p.set_defaults(func=_predict)
     p = sub.add_parser("transcribe", help="speech to text with an exported speech recognizer (recipes/whisper.py)")

@@ -237,3 +237,13 @@ def mixup_cutmix(images: Tensor, labels: Tensor, n_classes: int, alpha: float, c
 
 # ----------------------------------------------------------------------------------------------------
 # Prediction (omni predict)
+
+
+def image_domain(images: Tensor) -> dict[str, float]:
+    """What the images a classifier trains on look like, for ``omni predict`` to compare a photo with: the mean
+    of their outermost pixel ring ("border", the background of centred objects) and of all pixels ("mean"), on
+    (B, C, H, W) pixels (uint8, or floats in [0, 1]). Fashion-MNIST: light garments on black (border ~0.0)."""
+    x = images.float() if images.is_floating_point() else images.float() / 255.0
+    ring = torch.cat([x[..., 0, :], x[..., -1, :], x[..., :, 0], x[..., :, -1]], dim=-1)
+    return {"border": round(float(ring.mean()), 4), "mean": round(float(x.mean()), 4)}
+

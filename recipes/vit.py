@@ -43,7 +43,7 @@ from omni.init import read_init
 from omni.tokenizers.image import ImageTokenizer
 from omni.train import Trainer, process_state, unwrap
 from omni.trunk import preset
-from omni.vision import BUILDER, BatchAugment, ImageClassifier, adapt_classifier, mixup_cutmix
+from omni.vision import BUILDER, BatchAugment, ImageClassifier, adapt_classifier, image_domain, mixup_cutmix
 
 # ---------------------------------------------------------------------------------------------------
 # Config. Every entry can be overridden with --set key=value.
@@ -267,6 +267,8 @@ def main(argv=None) -> dict:
                           eval_every=every(cfg["eval_every_epochs"]),
                           checkpoint_every=every(cfg["checkpoint_every_epochs"]), run_name=f"vit-{cfg['preset']}")
     export = model.export_config(class_names)
+    # what the training images look like (background, brightness): omni predict compares a photo with it
+    export["image_domain"] = image_domain(first_batch(eval_data)[0])
     if source is not None and "source" in source[0]:  # where the weights came from: omni convert --to reads it
         export["source"] = source[0]["source"]
     trainer = Trainer(model, loss_fn, train_data, config, eval_data=eval_data, eval_fn=eval_fn, samples_fn=samples,

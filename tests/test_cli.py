@@ -362,3 +362,35 @@ def test_closed_stdout_is_no_traceback():
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 141, err.decode()
     assert b"Traceback" not in err and b"BrokenPipe" not in err, err.decode()
+
+
+def test_predict_inverts_a_photo_whose_background_is_the_opposite_of_the_training_images(vit, tmp_path, capsys):
+    """#30: a Fashion-MNIST model (light garments on black, recorded as the export's image_domain) given a dark
+    shape on white reads it with its grey levels inverted, and says so; --invert no keeps the photo as it is."""
+    from PIL import Image
+
+    from omni.export import write_checksums
+    from omni.pipelines.predict import predict_files
+
+    export = shutil.copytree(vit, tmp_path / "final")
+    config = json.loads((export / "config.json").read_text())
+    (export / "config.json").write_text(json.dumps({**config, "image_domain": {"border": 0.0, "mean": 0.29}}))
+    write_checksums(export)
+    photo = np.full((40, 40), 255, np.uint8)
+    photo[8:32, 12:28] = 30  # a dark garment on a white background
+    Image.fromarray(photo).save(tmp_path / "photo.png")
+    Image.fromarray(255 - photo).save(tmp_path / "negative.png")
+
+    auto = predict_files(export, [tmp_path / "photo.png"], device="cpu")[0]
+    assert "its background is light where the model's training images are dark" in capsys.readouterr().err
+    def same(a, b):  # inverting after the resize to 28 px, or the 8-bit file before it: within rounding
+        return [n for n, _ in a] == [n for n, _ in b] and all(abs(p - q) < 1e-3 for (_, p), (_, q) in zip(a, b))
+
+    negative = predict_files(export, [tmp_path / "negative.png"], device="cpu", invert="no")[0]
+    assert same(auto, negative)
+    kept = predict_files(export, [tmp_path / "photo.png"], device="cpu", invert="no")[0]
+    assert not same(kept, auto) and capsys.readouterr().err == ""
+    assert predict_files(export, [tmp_path / "negative.png"], device="cpu")[0] == negative  # already dark: as it is
+    status, out, err = cli(["predict", "--checkpoint", str(export), "--device", "cpu", "--invert", "no",
+                            str(tmp_path / "photo.png")], capsys)
+    assert status == 0 and "inverted" not in err

@@ -274,3 +274,16 @@ def test_an_image_size_the_init_patch_does_not_divide_is_one_line(trained, datas
     with pytest.raises(ValueError, match=r"image_size 30 must be a multiple of the patch 7 of init .*final"):
         load_recipe().main(["--preset", "tiny", "--data", str(dataset[0]), "--out", str(tmp_path), "--set",
                             f"init={str(out / 'final')!r}", "image_size=30", "patch=5"])
+
+
+def test_the_export_records_what_its_training_images_look_like(trained, dataset):
+    """image_domain (omni predict compares photos with it): the border and mean of the first eval batch's pixels,
+    here dark noise (0..59) with a bright bar inside the border."""
+    import json
+
+    out, _ = trained
+    domain = json.loads((out / "final" / "config.json").read_text())["image_domain"]
+    images = torch.from_numpy(dataset[1][0][:64]).float() / 255
+    ring = torch.cat([images[:, 0], images[:, -1], images[:, :, 0], images[:, :, -1]], dim=-1)
+    assert domain["border"] == pytest.approx(float(ring.mean()), abs=0.02) and domain["border"] < 0.2
+    assert domain["border"] < domain["mean"] < 0.5

@@ -9,6 +9,7 @@ export's image tokenizer, and ranks the classes; ``attention`` draws what the mo
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -23,7 +24,7 @@ from omni.packing import Packer
 from omni.segment import Sample, Segment
 from omni.tokenizers.base import check_regular_file
 from omni.tokenizers.image import ImageTokenizer
-from omni.vision import ImageClassifier
+from omni.vision import ImageClassifier, image_domain
 
 
 def image_classifier(checkpoint: str | Path, device: str
@@ -95,7 +96,8 @@ def _draw_attention(model: nn.Module, head: str | None, tokenizer: ImageTokenize
 @torch.no_grad()
 def predict_files(checkpoint: str | Path, files: Sequence[str | Path], top_k: int = 5, device: str | None = None,
                   *, return_exceptions: bool = False, attention: str | Path | None = None,
-                  attention_method: str = "rollout") -> list[list[tuple[str, float]] | Exception]:
+                  attention_method: str = "rollout", invert: str = "auto"
+                  ) -> list[list[tuple[str, float]] | Exception]:
     """Top-k (class name, probability) for each image file of any size, mode and format, by an image classifier
     export (recipes/vit.py) or the image task of a multitask export (recipes/multimodal.py). A file that cannot
     be read raises FileNotFoundError / ValueError naming it, or with ``return_exceptions`` that exception takes
@@ -103,7 +105,14 @@ def predict_files(checkpoint: str | Path, files: Sequence[str | Path], top_k: in
 
     ``attention``: a directory; each readable image's picture goes to ``attention_paths(files, attention)``: the
     image with its attention heat map over the patch grid (``attention_method`` "rollout" or "last") and its
-    top-k in the title (needs matplotlib, the ``viz`` extra)."""
+    top-k in the title (needs matplotlib, the ``viz`` extra).
+
+    ``invert``: a grey-scale export that records its training images' look (``image_domain``: recipes/vit.py
+    writes it) reads a photo whose background is the opposite of its training images' (a dark garment on white,
+    where Fashion-MNIST is light on black) with its grey levels inverted, saying so on stderr ("auto"); "yes"
+    always inverts, "no" never."""
+    if invert not in INVERT_CHOICES:
+        raise ValueError(f"invert must be one of {', '.join(INVERT_CHOICES)}, got {invert!r}")
     if top_k < 1:
         raise ValueError(f"top_k must be >= 1, got {top_k}")
     if attention_method not in ATTENTION_METHODS:
@@ -114,6 +123,7 @@ def predict_files(checkpoint: str | Path, files: Sequence[str | Path], top_k: in
         require("matplotlib", "viz")  # before any work: the pictures are what was asked for
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     classify, tokenizer, names, model, head = image_classifier(checkpoint, device)
+    domain = load_config(checkpoint).get("image_domain") if tokenizer.channels == 1 else None
     pictures = attention_paths(files, attention) if attention is not None else None
     results: list[list[tuple[str, float]] | Exception] = []
     for k, f in enumerate(files):
@@ -124,6 +134,12 @@ def predict_files(checkpoint: str | Path, files: Sequence[str | Path], top_k: in
                 raise
             results.append(exc)
             continue
+        if invert == "yes" or (invert == "auto" and _inverted(tokenizer.decode(seg), domain)):
+            if invert == "auto":
+                print(f"omni predict: {f}: its background is {'light' if domain['border'] < 0.5 else 'dark'} "
+                      f"where the model's training images are {'dark' if domain['border'] < 0.5 else 'light'}: "
+                      "read with its grey levels inverted (--invert no keeps them)", file=sys.stderr)
+            seg = tokenizer.encode(1.0 - tokenizer.decode(seg).clamp(0.0, 1.0), key=os.fspath(f))
         probs = classify(seg).float().softmax(-1)
         top = probs.topk(min(top_k, probs.numel()))
         results.append([(names[i], float(p)) for p, i in zip(top.values.tolist(), top.indices.tolist())])
@@ -132,4 +148,15 @@ def predict_files(checkpoint: str | Path, files: Sequence[str | Path], top_k: in
     return results
 
 
-__all__ = ["ATTENTION_METHODS", "attention_paths", "image_classifier", "predict_files"]
+INVERT_CHOICES = ("auto", "yes", "no")
+INVERT_MARGIN = 0.5  # a background this far from the training images' (on [0, 1]) is the opposite one
+
+
+def _inverted(pixels: Tensor, domain: dict[str, float] | None) -> bool:
+    """Whether an image (C, h, w in [0, 1]) has the opposite background of the training images' ``domain``."""
+    if not domain or "border" not in domain:
+        return False
+    return abs(image_domain(pixels[None])["border"] - float(domain["border"])) > INVERT_MARGIN
+
+
+__all__ = ["ATTENTION_METHODS", "INVERT_CHOICES", "attention_paths", "image_classifier", "predict_files"]
