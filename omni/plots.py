@@ -118,7 +118,18 @@ def ema(values: Sequence[float], weight: float) -> np.ndarray:
 
 
 # Eval metrics that count what was measured rather than how well: left off the curves.
-_COUNTS = frozenset({"words", "items", "episodes", "target"})
+# bookkeeping a task logs beside its metrics (how many items were scored, the time it took): not drawn
+_COUNTS = frozenset({"words", "items", "episodes", "target", "utterances", "tokens", "bytes", "documents", "seconds"})
+
+
+def curve_metrics(series: Mapping[str, Any], max_metrics: int) -> list[str]:
+    """The eval metrics ``training_curves`` draws, in the order logged: not the loss (its own panel), spreads
+    (``_std``) or bookkeeping counts (``_COUNTS``, also as a multimodal task's ``test_<count>``)."""
+    def count(name: str) -> bool:
+        return name.rsplit("/", 1)[-1].removeprefix("test_") in _COUNTS
+
+    return [n.removeprefix("eval/") for n in series if n.startswith("eval/") and n != "eval/loss"
+            and not n.endswith("_std") and not count(n)][:max_metrics]
 
 
 def curve_series(history: Sequence[Mapping[str, Any]]) -> dict[str, tuple[list[int], list[float]]]:
@@ -141,14 +152,13 @@ def curve_series(history: Sequence[Mapping[str, Any]]) -> dict[str, tuple[list[i
 
 
 def training_curves(history: Sequence[Mapping[str, Any]], path: str | os.PathLike | None = None, *,
-                    title: str | None = None, max_metrics: int = 8) -> np.ndarray:
+                    title: str | None = None, max_metrics: int = 12) -> np.ndarray:
     """The loss (training: every step raw and smoothed, or the logged means; eval loss when logged) and each
     eval metric (with its training counterpart when there is one, e.g. train/accuracy beside eval/accuracy;
     a ``*_std`` metric is drawn as error bars on its ``*_mean``) against the optimizer step, one panel each, all
     over the run's steps."""
     series = curve_series(history)
-    metrics = [n.removeprefix("eval/") for n in series if n.startswith("eval/") and n != "eval/loss"
-               and not n.endswith("_std") and n.rsplit("/", 1)[-1] not in _COUNTS][:max_metrics]
+    metrics = curve_metrics(series, max_metrics)
     panels = 1 + len(metrics)
     cols = min(panels, 3)
     rows = math.ceil(panels / cols)

@@ -356,3 +356,17 @@ def test_dt_recipe_return_plot_and_its_tensorboard_image(tmp_path):
     acc = EventAccumulator(str(tmp_path / "logs" / "summary"), size_guidance={"images": 0})
     acc.Reload()
     assert [e.step for e in acc.Images("returns")] == [60]
+
+
+def test_multimodal_task_counts_do_not_crowd_out_the_metrics():
+    """#30: the multimodal recipe logs eval/<task>/test_<name> for metrics and counts alike; every task's metrics
+    are drawn (up to 12 panels), its counts (items, utterances, tokens, bytes, documents, episodes) are not."""
+    names = []
+    for task, logged in (("image", ["accuracy", "loss", "items"]), ("asr", ["cer", "wer", "utterances"]),
+                         ("rl", ["score_mean", "score_std", "return_mean", "episodes", "target"]),
+                         ("text", ["ppl", "bpb", "nll", "tokens", "bytes", "documents"])):
+        names += [f"eval/{task}/test_{m}" for m in logged]
+    series = {"eval/loss": ([1], [1.0]), **{n: ([1], [0.5]) for n in names}}
+    assert plots.curve_metrics(series, 12) == [
+        "image/test_accuracy", "image/test_loss", "asr/test_cer", "asr/test_wer", "rl/test_score_mean",
+        "rl/test_return_mean", "text/test_ppl", "text/test_bpb", "text/test_nll"]
