@@ -2,7 +2,7 @@
 inherit). A model satisfies one by having the members; ``isinstance`` checks their presence only.
 
     Seq2SeqDecoder  what omni.decoding decodes: memory -> next-token logits, incrementally through a KV cache
-                    (omni.speech.SpeechRecognizer, omni.multitask.PrefixLMTranscriber)
+                    (omni.speech.SpeechRecognizer, omni.prefix_lm.PrefixLMTranscriber)
     CausalLM        a decoder-only language model: ids -> hidden states -> next-token logits, through a KV cache
                     (omni.generate.TextLM); omni.generate.PromptedLM decodes one as a Seq2SeqDecoder whose memory
                     is the prompt

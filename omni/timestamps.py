@@ -16,7 +16,7 @@ Two sources, chosen per export (``method="auto"``):
   negation gives each text token its frames (``attention_alignment``, ``attention_word_timings``). A converted
   Whisper's alignment heads (export config "alignment_heads", [layer, head] pairs: the checkpoint's own list, see
   omni/interop/whisper.py) are used where known, else every head of the second half of the decoder's layers.
-* ``attention`` for the prefix-LM transcriber of a multitask export (``omni.multitask.PrefixLMTranscriber``:
+* ``attention`` for the prefix-LM transcriber of a multitask export (``omni.prefix_lm.PrefixLMTranscriber``:
   [audio tokens, bos, <|transcribe|>, text] in one sequence on the shared trunk, no cross-attention): the same
   DTW over the trunk's SELF-attention of the text rows to the audio columns (``prefix_lm_attention``), captured
   during one teacher-forced packed forward of [audio, prompt, transcript, eos]. Each row is renormalised over

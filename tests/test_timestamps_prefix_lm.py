@@ -1,4 +1,4 @@
-"""Word timestamps of a multitask export's prefix-LM transcriber (omni/timestamps.py: ``prefix_lm_attention``, DTW over
+"""Word timestamps of a multitask export's prefix-LM transcriber (omni/pipelines/timing.py: ``prefix_lm_attention``, DTW over
 the shared trunk's text-to-audio self-attention): a tiny model whose attention is set by its weights recovers the
 word spans it was built to look at, and `omni transcribe --format srt|json --alignment` works on a multitask export."""
 

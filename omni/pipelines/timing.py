@@ -22,7 +22,7 @@ from omni.timestamps import (Method, WindowAlignment, WordTiming, attention_word
 
 
 def is_prefix_lm(model: Any) -> bool:
-    """A multitask export's prefix-LM transcriber (``omni.multitask.PrefixLMTranscriber``)?"""
+    """A multitask export's prefix-LM transcriber (``omni.prefix_lm.PrefixLMTranscriber``)?"""
     return isinstance(model, PrefixLMTranscriber)
 
 
@@ -51,7 +51,7 @@ def timing_method(model: Any, method: Method = "auto") -> str:
 @torch.no_grad()
 def prefix_lm_attention(model: Any, audio_tokens: Tensor, ids: Sequence[int],
                         layers: Sequence[int] | None = None) -> tuple[list[Tensor], list[float]]:
-    """A prefix-LM transcriber (``omni.multitask.PrefixLMTranscriber``), one window's audio tokens (S, F) and the
+    """A prefix-LM transcriber (``omni.prefix_lm.PrefixLMTranscriber``), one window's audio tokens (S, F) and the
     transcript's ids -> (per chosen trunk layer the text-to-audio self-attention (H, P + n + 1, S), each row
     renormalised over the audio; the teacher-forced probability of each id).
 
