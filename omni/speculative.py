@@ -192,6 +192,9 @@ def speculative_decode(model: Seq2SeqDecoder, memory: Tensor, mask: Tensor | Non
     stats = stats if stats is not None else DraftStats()
     # room for the longest row plus two passes of slack (compaction frees the rest); token 0 as greedy chooses it
     inference = CachedInference(model, memory, mask, steps + 2 * (k + 1))
+    if not callable(getattr(inference.cache, "rollback", None)):
+        raise ValueError(f"speculative decoding rolls the KV cache back; this model's {type(inference.cache).__name__} "
+                         "cannot (attention patterns keep a ring cache): decode it greedily")
     greedy = Greedy(B, steps + k + 1, model.eos_id, model.pad_id, options.guard(dev), dev)
     filters = options.filters(model)
     Decoding(inference, greedy, filters, dev).start(memory, mask, limit)

@@ -298,6 +298,13 @@ def test_option_checks(speech):
     with pytest.raises(ValueError, match="decode_hidden"):
         speculative_decode(LastOnly(), memory, mask, drafter=PromptLookup())
 
+    class RingCache(Counted):  # a cache without rollback (a trunk with attention patterns keeps a ring)
+        def new_cache(self, memory: torch.Tensor, max_length: int) -> object:
+            return object()
+
+    with pytest.raises(ValueError, match="rolls the KV cache back"):
+        speculative_decode(RingCache(model), memory, mask, drafter=PromptLookup())
+
 
 def test_kv_cache_rollback():
     """rollback keeps each row's first n real slots; compact moves them to the front, and the next token's output
