@@ -201,6 +201,7 @@ def speculative_decode(model: Seq2SeqDecoder, memory: Tensor, mask: Tensor | Non
     stats.passes += 1
     cache, P = inference.cache, inference.first_slot  # P: the slot of every row's next input
     count = torch.ones(B, dtype=torch.long, device=dev)  # tokens chosen per row (token 0 so far)
+    probe = False  # check the first draft before the head runs at the others (see below)
     while not greedy.all_done():
         live = ~greedy.done
         rows = greedy.out.tolist()
@@ -223,16 +224,36 @@ def speculative_decode(model: Seq2SeqDecoder, memory: Tensor, mask: Tensor | Non
         real = cache.real_tokens()
         inputs = torch.cat([greedy.tokens[:, None], drafts], 1)  # (B, T): the last chosen token, then the drafts
         slot = torch.tensor(P, dtype=torch.long, device=dev)
-        logits = verifier.head(verifier.decode_hidden(inputs, None, inference.mask, cache, slot))  # (B, T, V)
+        hidden = verifier.decode_hidden(inputs, None, inference.mask, cache, slot)  # (B, T, d)
         stats.passes += 1
+        stats.proposed += int(offered.sum())
+        if T > 1 and probe:  # the last pass kept no draft: the head at the drafts only if the first one can stand
+            first = verifier.head(hidden[:, :1])  # (B, 1, V)
+            if _first_agrees(first[:, 0].clone(), filters, greedy.out, count, drafts[:, 0], offered):
+                logits = torch.cat([first, verifier.head(hidden[:, 1:])], 1)
+            else:  # every draft is rejected: the pass is a greedy step (the rejected slots roll back below)
+                logits, drafts, offered = first, drafts[:, :0], torch.zeros_like(offered)
+        else:
+            logits = verifier.head(hidden)  # (B, T, V)
         kept = _accept(greedy, filters, logits, drafts, offered, count, live)  # (B,) inputs kept per row
         cache.rollback(real + kept)
         P += int(kept.max())
-        stats.proposed += int(offered.sum())
         stats.accepted += int(torch.where(live, (kept - 1).clamp(min=0), 0).sum())
         count += kept
+        # a pass in which no live row kept a draft makes the next one probe first: with wrong drafts, a pass then
+        # costs the decoder's body at T positions but its head (a vocabulary-wide matmul) at one
+        probe = not bool(((kept > 1) & live).any())
     stats.tokens += int(count.sum())
     return greedy.result()
+
+
+def _first_agrees(logits: Tensor, filters: list, tokens: Tensor, count: Tensor, first: Tensor,
+                  offered: Tensor) -> bool:
+    """Whether any row with a draft (``offered`` > 0) would keep its first: greedy's choice after the filters
+    (logits (B, V) of the pass's position 0, history ``tokens[:, :count]``) equals it."""
+    for rule in filters:
+        logits = rule(logits, tokens, count)
+    return bool(((logits.argmax(-1) == first) & (offered > 0)).any())
 
 
 def _accept(greedy: Greedy, filters: list, logits: Tensor, drafts: Tensor, offered: Tensor, count: Tensor,
