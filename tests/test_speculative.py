@@ -394,3 +394,20 @@ def test_cli_transcribe_draft(speech, tmp_path, capsys):
     assert "--draft ctc" in err and "CTC head" in err
     err = cli_error(base + ["--draft", "ngram", "--beam-size", "2", files[0]], capsys, prog=None)
     assert "--beam-size" in err
+
+
+def test_benchmark_dry_run(tmp_path):
+    """benchmarks/draft_decoding.py --dry-run: every row decodes greedy's ids and the JSON holds them."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "draft_decoding.py"
+    spec = importlib.util.spec_from_file_location("draft_decoding", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "rows.json"
+    assert bench.main(["--dry-run", "--models", "speech", "--batches", "3", "--threads", "1", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert {r["drafter"] for r in rows} == {"greedy", "oracle", "wrong", "ctc"} and all(r["identical"] for r in rows)
+    assert min(r["passes"] for r in rows if r["drafter"] == "oracle") < rows[0]["passes"]
