@@ -619,7 +619,8 @@ class Trunk(nn.Module):
 
         positions: (B, T, 2) or (B, T) ints; default 0..T-1 (continuing after the cache).
         mask:      see the module docstring; with a cache: None/"causal", "full" or bool (B|1, 1, T, T)
-                   among the new tokens (earlier cached tokens are always visible).
+                   among the new tokens (earlier cached tokens are always visible). With cfg.attention, the
+                   patterns are AND-ed in per layer (a packed batch: PackedBatch.attention_mask(schedule=...)).
         memory:    (B, S, d) encoder output for cross-attention; memory_mask (B, S) bool, True = keep.
         cache:     KVCache to read and extend (incremental decoding); pad (B, T) bool marks pad tokens.
         cache_position: () or (1,) long DEVICE tensor p: the new tokens take cache slots p .. p+T-1
