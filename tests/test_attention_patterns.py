@@ -294,3 +294,17 @@ def test_ring_cache_memory_is_fixed_and_errors():
     from omni.trunk import KVCache
     with pytest.raises(ValueError, match="decodes with the cache Trunk.new_cache makes"):
         trunk(torch.randn(1, 3, 32), cache=KVCache.empty(trunk.cfg, 1, 10))
+
+
+def test_recipes_take_the_pattern_through_trunk_overrides():
+    """`--set trunk_overrides.attention={...}` is a checked entry (omni.config types it from TrunkConfig): a good
+    schedule makes the trunk, a bad one is one line naming trunk_overrides and the setting."""
+    from omni.config import RULES, check_trunk, trunk_keys
+
+    assert trunk_keys()["attention"].type == (dict, None)
+    att = {"pattern": {"kind": "window", "before": 32, "after": 32}, "full_every": 2}
+    trunk = check_trunk({"trunk": "tiny", "trunk_overrides": {"attention": att}}, RULES)
+    assert trunk.attention == att
+    with pytest.raises(ValueError, match="trunk_overrides .*a window of 0") as info:
+        check_trunk({"trunk": "tiny", "trunk_overrides": {"attention": {"kind": "window", "before": 0}}}, RULES)
+    assert "\n" not in str(info.value)
