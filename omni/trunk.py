@@ -473,8 +473,8 @@ class KVCache:
     input in place but copies the whole shared buffer for a write into one layer's view of it.
 
     Callers change the cache only through its methods: ``reset`` (a new batch), ``reorder`` (beam search),
-    ``pin_cross`` (fixed cross K/V addresses for a captured graph); the trunk writes it through ``update``
-    and ``attention_mask``.
+    ``pin_cross`` (fixed cross K/V addresses for a captured graph), ``rollback`` (speculative decoding); the trunk
+    writes it through ``update`` and ``attention_mask``.
     """
 
     k: list[Tensor]  # per layer (B, G, max_length, D)
@@ -528,6 +528,18 @@ class KVCache:
     def real_tokens(self) -> Tensor:
         """(B,) slots written by real (non-pad) tokens per row."""
         return self.valid.sum(1)
+
+    def rollback(self, lengths: Tensor, compact: bool = False) -> None:
+        """Row b keeps its first ``lengths[b]`` (B,) real slots and forgets the later ones, IN PLACE (speculative
+        decoding: the drafts the decoder rejected). ``compact``: also move every row's kept slots to the front, in
+        order, so the free slots follow them (keys carry their positions, so attention is unchanged)."""
+        kept = self.valid & (self.valid.cumsum(1) <= lengths[:, None])
+        if compact:
+            order = (~kept).to(torch.uint8).argsort(dim=1, stable=True)  # (B, max_length): kept slots first
+            for t in self.k + self.v:
+                t.copy_(t.gather(2, order[:, None, :, None].expand_as(t)))
+            kept = kept.gather(1, order)
+        self.valid.copy_(kept)
 
     def update(self, layer: int, k: Tensor, v: Tensor, slots: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """Write k/v (B, G, T, D) after `length`, or at `slots` (T,) long; -> the layer's whole buffers."""
