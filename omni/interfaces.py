@@ -91,7 +91,8 @@ class LogitFilter(Protocol):
     SuppressAtStart, TimestampRules, the sampler's temperature / top-k)."""
 
     def __call__(self, logits: Tensor, tokens: Tensor, t: Tensor) -> Tensor:
-        """logits (N, V) for token ``t`` (a () long device tensor) of rows whose tokens so far are tokens[:, :t]
+        """logits (N, V) for token ``t`` (a () long device tensor, or (N,) per row: omni.speculative verifies rows
+        at different positions) of rows whose tokens so far are tokens[:, :t]
         (N, max_new_tokens) -> the logits to choose from (may be changed in place). Fixed shapes, no host sync."""
         ...
 
