@@ -273,7 +273,8 @@ def _generate(args: argparse.Namespace) -> int:
     import torch
 
     from omni.export import resolve_export_dir
-    from omni.generate import generate_ids, load_lm
+    from omni.generate import generate_ids
+    from omni.pipelines.generate import load_lm
 
     try:
         checkpoint = resolve_export_dir(args.checkpoint)

@@ -1,8 +1,9 @@
 """Text generation with decoder-only language models, through omni.decoding's one loop.
 
-    lm = load_lm("omni/gpt2")                                   # an export with a text tokenizer and an LM head
-    texts = generate(lm, ["The meaning of life is"], max_new_tokens=20)             # greedy continuations
+    lm = TextLM(model, "text", tokenizer)                      # an OmniModel with a text tokenizer and an LM head
     ids = generate_ids(lm, [lm.encode("Hello")], max_new_tokens=20, temperature=0.8, top_k=40, seed=0)
+
+(From an export directory, and as text: omni.pipelines.generate's ``load_lm`` and ``generate``, ``omni generate``.)
 
 The pieces:
 
@@ -26,14 +27,12 @@ the prompt and eos.
 from __future__ import annotations
 
 import math
-import os
-from typing import Any, Iterator, Sequence
+from typing import Iterator, Sequence
 
 import torch
 from torch import Tensor, nn
 
 from omni.decoding import CachedInference, Decoding, DecodingOptions, FullInference, Greedy
-from omni.export_kinds import generation_head
 from omni.interfaces import CausalLM
 from omni.model import OmniModel
 from omni.speculative import Drafter, DraftStats, PromptLookup, speculative_decode
@@ -230,25 +229,4 @@ def generate_ids(lm: CausalLM, prompts: Sequence[Sequence[int]], *, max_new_toke
     return decoding.run(max_new_tokens)
 
 
-def generate(lm: TextLM | str | os.PathLike, prompts: str | Sequence[str], **options: Any) -> list[str]:
-    """The continuation of every prompt (text; ``lm`` a TextLM or an export directory); ``options`` are
-    ``generate_ids``'s. One string gives a list of one."""
-    if not isinstance(lm, TextLM):
-        lm = load_lm(lm)
-    texts = [prompts] if isinstance(prompts, str) else list(prompts)
-    return [lm.decode(ids) for ids in generate_ids(lm, [lm.encode(t) for t in texts], **options)]
-
-
-def load_lm(export: str | os.PathLike, *, device: str | torch.device = "cpu", head: str | None = None) -> TextLM:
-    """A text LM export (a converted GPT-2, or an omni run with an LM task) as a TextLM in eval mode on
-    ``device``; ``head`` names the LM head when the export has several."""
-    from omni.export import load_config, load_pretrained, load_tokenizers
-
-    name = generation_head(load_config(export), head, where=os.fspath(export))
-    model = load_pretrained(export, device=device)
-    if not isinstance(model, OmniModel):
-        raise ValueError(f"the export builds a {type(model).__name__}, not an OmniModel")
-    return TextLM(model, name, load_tokenizers(export)["text"])
-
-
-__all__ = ["PromptedLM", "Sampler", "TextLM", "generate", "generate_ids", "load_lm"]
+__all__ = ["PromptedLM", "Sampler", "TextLM", "generate_ids"]

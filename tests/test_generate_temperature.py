@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from omni.cli import main
-from omni.generate import Sampler, generate_ids, load_lm
+from omni.generate import Sampler, generate_ids
+from omni.pipelines.generate import load_lm
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("whisper.tokenizer")  # GPT-2's vocabulary file ships in openai-whisper

@@ -18,7 +18,8 @@ from _interop import o1_weights
 
 from omni.cli import main
 from omni.export import get_builder, load_pretrained, load_tokenizers, save_pretrained
-from omni.generate import TextLM, generate, generate_ids, load_lm
+from omni.generate import TextLM, generate_ids
+from omni.pipelines.generate import generate, load_lm
 from omni.interop import ConversionError, convert, to_peer
 from omni.interop.gpt2 import from_hf
 from omni.mixture import pack_mixed

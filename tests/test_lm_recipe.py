@@ -97,7 +97,7 @@ def hf_dir(tmp_path: Path, tied: bool) -> tuple[GPT2LMHeadModel, Path]:
 def test_fine_tunes_a_hf_gpt2(corpus, tmp_path, capsys, tied):
     """First loss = HF's on the same batch; a few steps lower it; an untied head moves apart from the table; the
     export converts back to HF with its logits and generates."""
-    from omni.generate import load_lm
+    from omni.pipelines.generate import load_lm
     from omni.mixture import MixtureLoader
     from omni.tasks import LMTask
     from omni.tokenizers.ranks import gpt2_tokenizer
