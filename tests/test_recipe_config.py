@@ -75,7 +75,7 @@ def test_repeated_set_flags_all_count_in_order(recipes, name):
     ("resume=maybe", "resume must be 'auto', 'force' or 'never', got 'maybe'"),
     ("workers=-1", "workers must be an integer >= 0, got -1"),
     ("trunk='XL'", "trunk must be 'tiny', "),
-    ("trunk_overrides={'dmodel': 8}", "trunk_overrides has no entry 'dmodel'; entries: activation, bias, "),
+    ("trunk_overrides={'dmodel': 8}", "trunk_overrides has no entry 'dmodel'; entries: activation, attention, bias, "),
     # issue 29: values that were never checked
     ("steps=1e100", "steps must be an integer >= 1, got 1e+100: integers must fit in 64 bits (|n| < 2**63)"),
     ("compile='nonsense'", "compile must be True, False, 'default', 'reduce-overhead', 'max-autotune' or "
@@ -95,13 +95,14 @@ def test_repeated_set_flags_all_count_in_order(recipes, name):
     ("trunk_overrides.norm='batch'", "trunk_overrides.norm must be 'layernorm' or 'rmsnorm', got 'batch'"),
     ("trunk_overrides.mlp_ratio=1e309", "trunk_overrides.mlp_ratio must be a finite number > 0, got inf"),
     ("trunk_overrides.d_modle=8", "--set 'trunk_overrides.d_modle=8': trunk_overrides has no entry 'd_modle'; "
-                                  "entries: activation, bias, d_model, dropout, final_norm, "
+                                  "entries: activation, attention, bias, d_model, dropout, final_norm, "
                                   "max_positions, mlp_ratio, n_heads, n_kv_heads, n_layers, norm, norm_eps, "
                                   "positions, rope_base"),
     ("trunk_overrides.n_heads=7", " is not divisible by n_heads 7"),
     # the model decides it: whisper's decoder passes it (a TypeError traceback), a decoder-only model cannot use it
     ("trunk_overrides.cross_attention=True", "--set 'trunk_overrides.cross_attention=True': trunk_overrides has no "
-                                             "entry 'cross_attention'; entries: activation, bias, d_model, "),
+                                             "entry 'cross_attention'; entries: activation, attention, bias, "
+                                             "d_model, "),
     ("text=[]", "text must be a non-empty list of strings or None, got []"),
 ])
 def test_bad_values_stop_at_parsing_with_one_line(recipes, capsys, name, item, line):
