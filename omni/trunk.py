@@ -35,8 +35,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.attention.flex_attention import BlockMask, create_mask, flex_attention
 
-from omni.attention_patterns import (LayerMasks, RingKVCache, banded_attention, normalise_config, pattern_masks,
-                                     schedule_from_config)
+from omni.attention_patterns import LayerMasks, RingKVCache, normalise_config, pattern_masks, schedule_from_config
+from omni.banded_attention import banded_attention
 
 Mask = Union[None, Literal["causal"], Tensor, BlockMask, LayerMasks]
 Activation = Literal["gelu", "gelu_tanh", "relu", "swiglu"]  # the MLP's nonlinearity: see ACTIVATIONS

@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from omni.attention_patterns import (Any_, Dilated, Full, Global, LayerMasks, Layout, RingKVCache, Window, Window2D,
-                                     banded_attention, block_mask, dense, normalise_config, pattern_from_dict,
-                                     schedule_from_config)
+                                     block_mask, dense, normalise_config, pattern_from_dict, schedule_from_config)
+from omni.banded_attention import banded_attention
 from omni.introspect import capture
 from omni.packing import Packer
 from omni.segment import Role, Sample, Segment
