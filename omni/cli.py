@@ -225,7 +225,11 @@ def _transcribe(args: argparse.Namespace) -> int:
                             raise UsageError(write_error("--alignment", args.alignment, exc)) from exc
                         raise
         # (file, result) per readable file: its json entry names its picture
-        return [r if isinstance(r, Exception) else (f, r) for f, r in zip(args.files, results)]
+        items = [r if isinstance(r, Exception) else (f, r) for f, r in zip(args.files, results)]
+        for item in items:  # an empty transcript (an empty subtitle file) is said, not left to be found
+            if not isinstance(item, Exception) and not (item[1].text if timed else item[1]).strip():
+                print(f"omni transcribe: {item[0]}: no speech recognised: the transcript is empty", file=sys.stderr)
+        return items
 
     def entry(item: tuple[str, Any]) -> dict[str, Any]:
         f, result = item

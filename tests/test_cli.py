@@ -394,3 +394,16 @@ def test_predict_inverts_a_photo_whose_background_is_the_opposite_of_the_trainin
     status, out, err = cli(["predict", "--checkpoint", str(export), "--device", "cpu", "--invert", "no",
                             str(tmp_path / "photo.png")], capsys)
     assert status == 0 and "inverted" not in err
+
+
+def test_transcribe_says_when_it_recognised_nothing(whisper, tmp_path, capsys, monkeypatch):
+    """#30: a model that recognises nothing in a file (an empty transcript: an empty SRT) is said on stderr, naming
+    the file, while what was asked for is still written; a file with text says nothing of the kind."""
+    import omni.pipelines.transcribe as pipeline
+
+    clip, other = wav(tmp_path / "hum.wav", noise(1.0)), wav(tmp_path / "talk.wav", noise(1.0, seed=1))
+    monkeypatch.setattr(pipeline, "transcribe_files", lambda checkpoint, files, **kw: ["", "some words"])
+    status, out, err = cli(["transcribe", "--checkpoint", str(whisper), "--device", "cpu", str(clip), str(other)],
+                           capsys)
+    assert status == 0 and out.splitlines() == [f"{clip}: ", f"{other}: some words"]
+    assert err.strip().splitlines() == [f"omni transcribe: {clip}: no speech recognised: the transcript is empty"]
