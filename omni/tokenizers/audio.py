@@ -177,9 +177,9 @@ def whisper_log_mel(
     if waveform.shape[-1] == 0:
         raise ValueError("whisper_log_mel got a waveform with 0 samples")
     chunk = int(round(seconds * sample_rate))
-    x = torch.nn.functional.pad(waveform.float(), (0, chunk))
-    mel = _mel_transform(sample_rate, n_fft, hop_length, n_mels, str(x.device))(x)[..., :-1]
-    return _normalise(mel)[..., : chunk // hop_length]
+    mel = whisper_file_log_mel(waveform, sample_rate=sample_rate, n_fft=n_fft, hop_length=hop_length,
+                               n_mels=n_mels, seconds=seconds)  # the clip is a file of at most one window
+    return mel[..., : chunk // hop_length]
 
 
 def whisper_file_log_mel(
