@@ -114,6 +114,22 @@ def test_mixed_batch_packs_every_modality_and_task(tiny):
     assert other.batch(0, 0).keys != batch.keys
 
 
+def test_text_losses_on_their_own_rows_equal_the_static_shape_losses(tiny, monkeypatch):
+    """Eager, a text task's LM head runs on its own target rows only (the vocabulary-wide matmul was the largest
+    cost of a CPU step, run once per text task on every text token); the same loss and token accuracy as the
+    static-shape path torch.compile takes (every text token, others weighted 0)."""
+    _, model, train, _, _ = tiny
+    batch = train.batch(0, 0)
+    with torch.no_grad():
+        loss, metrics = model(batch)
+        monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+        static_loss, static = model(batch)
+    torch.testing.assert_close(loss, static_loss, atol=1e-5, rtol=1e-5)
+    for name in ("asr/loss", "asr/token_accuracy", "text/loss", "text/token_accuracy"):
+        torch.testing.assert_close(metrics[name], static[name], atol=1e-5, rtol=1e-5)
+    assert float(metrics["text/loss"]) > 5 and float(metrics["asr/loss"]) > 5  # untrained: near ln(8192) = 9
+
+
 def test_loader_resumes_exactly(tiny):
     cfg, _, train, _, _ = tiny
     a = MixtureLoader(train.tasks, row_length=cfg["row_length"], rows=cfg["rows"], batches_per_epoch=4, seed=3)
@@ -180,7 +196,13 @@ def test_tiny_preset_trains_every_task_with_per_task_metrics(cache, tmp_path, ca
     out = tmp_path / "run"
     metrics = recipe.main(tiny_args(cache, out, "steps=60", "log_every=4", "eval_batches=2"))
     # One Markdown row per task with its held-out metric, also in results.json and TensorBoard.
-    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
+    printed = capsys.readouterr().out.splitlines()
+    rows = [line for line in printed if line.startswith("| ")]
+    # Log lines stay readable: a step's ~20 per-task metrics are one line per task (omni.progress.metric_lines).
+    steps = [i for i, line in enumerate(printed) if line.startswith("step 60/60: ")]
+    assert len(steps) == 1 and [line.split(":")[0] for line in printed[steps[0] + 1:steps[0] + 5]] == \
+        [f"  {t}" for t in sorted(TASKS)]
+    assert max(len(line) for line in printed if not line.startswith("| ")) < 250
     assert rows[0].startswith("| task | metric | value")
     assert [r.split("|")[1].strip() for r in rows[1:]] == list(TASKS)
     assert [r.split("|")[2].strip() for r in rows[1:]] == ["top-1 accuracy (%)", "CER (%)", "normalised score",
@@ -201,7 +223,17 @@ def test_tiny_preset_trains_every_task_with_per_task_metrics(cache, tmp_path, ca
     assert {"train/image/accuracy", "train/rl/accuracy", "train/asr/token_accuracy", "train/text/token_accuracy",
             "train/asr/ctc_loss", "eval/asr/ctc_loss"} <= set(metrics)
     assert 0 <= r["asr"]["ctc_cer"] and metrics["eval/asr/test_ctc_cer"] == pytest.approx(r["asr"]["ctc_cer"], rel=1e-6)
-    assert "CTC CER" in rows[2].split("|")[4]
+    assert "CTC CER" in rows[2].split("|")[5]
+    # Each row says what chance or a simple baseline scores, so a number is never read alone.
+    assert rows[0].startswith("| task | metric | value | chance / baseline |")
+    assert [r.split("|")[4].split()[0] for r in rows[1:]] == ["chance", "empty", "random", "unigram"]
+    b = results["baselines"]
+    assert b["image"]["chance"] == 0.1 and b["asr"]["empty_cer"] == 1.0 and 0.3 < b["asr"]["other_sentence_cer"] < 1
+    assert b["rl"]["expert_return"] == 500 and b["rl"]["random_return"] < 50
+    # the unigram counts the tokens LMTask.evaluate predicts: bits/byte = log2(ppl) x tokens / bytes
+    assert 1 < b["text"]["unigram_ppl"] < 8192
+    assert b["text"]["unigram_bpb"] == pytest.approx(np.log2(b["text"]["unigram_ppl"]) * r["text"]["tokens"]
+                                                     / r["text"]["bytes"], rel=1e-9)
     logged = scalars(out)  # the per-task curves are in TensorBoard
     # Every task learns. Measured (60 steps, 2 x 512 tokens): image 2.29 -> 1.81, asr 8.9 -> 5.0,
     # rl 0.69 -> 0.64 (CartPole; RL-only batches reach 0.54), text 8.9 -> 6.4.
