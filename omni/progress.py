@@ -61,9 +61,9 @@ class Progress:
         self.history.append(step, {**logged, "train/loss_per_step": [r["loss"] for r in self.window]})
         self.bar.set_postfix(loss=f"{logged['train/loss']:.4g}", lr=f"{logged['train/lr']:.3g}")
         if self.print_lines:
-            shown = ", ".join(f"{k.removeprefix('train/')} {v:.4g}" for k, v in logged.items())
-            print(f"step {step}/{cfg.steps}: {shown}, it/s {len(self.window) / seconds:.3g}, "
-                  f"left {duration(self.time_left(step))}", flush=True)
+            shown = {k.removeprefix("train/"): v for k, v in logged.items()}
+            print(metric_lines(f"step {step}/{cfg.steps}: ", shown, f", it/s {len(self.window) / seconds:.3g}, "
+                               f"left {duration(self.time_left(step))}"), flush=True)
         left = self.time_left(step)
         if self.accelerator.is_main_process and not self.warned_long and left > LONG_RUN_SECONDS:
             self.warned_long = True  # said once, at the first log step, so a long run is never a surprise
@@ -93,7 +93,27 @@ class Progress:
         self.accelerator.log(dict(metrics), step=step)
         self.history.append(step, metrics)
         if self.accelerator.is_main_process and metrics:
-            self.bar.write(f"step {step}: " + ", ".join(f"{k} {v:.4g}" for k, v in metrics.items()))
+            self.bar.write(metric_lines(f"step {step}: ", metrics))
+
+
+WIDE = 200  # a log line wider than this is split by metric group (a multimodal run logs ~20 metrics per task)
+
+
+def metric_lines(head: str, values: Mapping[str, float], tail: str = "") -> str:
+    """``head`` + "name value, ..." + ``tail`` on one line; wider than WIDE characters, one line per group of
+    names ("image/accuracy": group "image"): the outermost group's metrics on the first line, each other group
+    on an indented line of its own."""
+    line = head + ", ".join(f"{k} {v:.4g}" for k, v in values.items()) + tail
+    if len(line) <= WIDE:
+        return line
+    groups: dict[str, dict[str, float]] = {}
+    for k, v in values.items():
+        groups.setdefault(k.rpartition("/")[0], {})[k] = v
+    top = min(groups, key=lambda g: len(g.split("/")) if g else 0)
+    lines = [head + ", ".join(f"{k} {v:.4g}" for k, v in groups.pop(top).items()) + tail]
+    lines += [f"  {g}: " + ", ".join(f"{k.rpartition('/')[2]} {v:.4g}" for k, v in items.items())
+              for g, items in groups.items()]
+    return "\n".join(lines)
 
 
 def duration(seconds: float) -> str:
@@ -106,4 +126,4 @@ def duration(seconds: float) -> str:
     return f"{s // 3600}h{s % 3600 // 60:02d}m"
 
 
-__all__ = ["Progress", "duration", "is_terminal"]
+__all__ = ["Progress", "duration", "is_terminal", "metric_lines"]
