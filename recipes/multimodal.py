@@ -5,7 +5,7 @@ inside image/audio spans, causal inside text/action spans, prefix-LM where a tra
 never across samples. The task kinds (heads, losses, evaluation options, results row; looked up by kind name):
 omni/tasks/; the mixing loader: omni/mixture.py; the model: omni/multitask.py.
 
-    python recipes/multimodal.py                          # preset for the device (base on CUDA, tiny on CPU)
+    python recipes/multimodal.py                          # preset for the device (base on CUDA, cpu-default on CPU)
     python recipes/multimodal.py --preset tiny            # CPU smoke run (small data, built on first use)
     python recipes/multimodal.py --set "weights={'image': 2.0, 'rl': 0.5}" steps=20000
     python recipes/multimodal.py --preset small --set "only='image'"     # ONE task through the same recipe
@@ -232,6 +232,17 @@ PRESETS: dict[str, dict[str, Any]] = {
                               "rl": dict(TASKS["rl"]), "text": dict(TASKS["text"], max_tokens=128)},
                        batches_per_epoch=500, steps=2000, lr=2e-3, warmup_steps=100, workers=0, eval_every=0,
                        eval_batches=4, checkpoint_every=0, log_every=200, eval_tasks="end"),
+    # The CPU default: all four tasks in about 10 minutes on 2 cores, every one well above chance (benchmarks/
+    # results.md). Rows of 512 tokens (the documents are short: attention costs less than in 1024-token rows);
+    # the byte-level CTC head makes the audio span hear within a few hundred steps (omni.speech's reason).
+    "cpu-default": dict(out="runs/multimodal-cpu-default", cache="data/multimodal-cpu", trunk="tiny",
+                        trunk_overrides=dict(d_model=128, n_layers=4, n_heads=4), row_length=512, rows=8,
+                        tasks={"image": dict(TASKS["image"], patch=7),
+                               "asr": dict(SYNTH_ASR, train=3000, test=100, max_words=10, max_new_tokens=64,
+                                           eval_batch_size=50, ctc_weight=0.3),
+                               "rl": dict(TASKS["rl"]), "text": dict(TASKS["text"], max_tokens=128)},
+                        batches_per_epoch=500, steps=800, lr=2e-3, warmup_steps=50, workers=0, eval_every=0,
+                        eval_batches=4, checkpoint_every=0, log_every=50, eval_tasks="end"),
     # One GPU, small trunk: quick quality checks against the single-task recipes.
     "small": dict(trunk="S", trunk_overrides=dict(d_model=256, n_layers=8, n_heads=8), row_length=2048, rows=8,
                   steps=10000, lr=1e-3, warmup_steps=500, compile=True),
@@ -241,8 +252,9 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 
 def parse_args(argv=None) -> dict:
-    ap = recipe_parser(__doc__, COMMON, PRESETS, "base on CUDA, tiny otherwise", data_help=None)
-    cfg = recipe_config(ap, ap.parse_args(argv), COMMON, PRESETS, "base" if torch.cuda.is_available() else "tiny")
+    ap = recipe_parser(__doc__, COMMON, PRESETS, "base on CUDA, cpu-default otherwise", data_help=None)
+    cfg = recipe_config(ap, ap.parse_args(argv), COMMON, PRESETS,
+                        "base" if torch.cuda.is_available() else "cpu-default")
     tasks = {**cfg["tasks"], **cfg["extra_tasks"]}
     for name_, w in cfg["weights"].items():
         if name_ not in tasks:
@@ -560,16 +572,95 @@ def task_metrics(model, tasks: list[Task], cfg: dict) -> dict[str, dict[str, flo
     return out
 
 
-def results_table(results: dict[str, dict[str, float]], tasks: list[Task]) -> str:
+def baseline(train: Task, test: Task) -> dict[str, Any]:
+    """What chance or a simple baseline scores on a task's held-out metric, so that a number is never read
+    alone: {"text": the table cell, ...: the numbers}; {} for a plug-in kind without one."""
+    from omni.asr_text import error_rates
+    from omni.tasks import ActionTask, ClassifyTask, LMTask, TranscribeTask
+
+    if isinstance(test, ClassifyTask):
+        majority = int(np.bincount(train.labels, minlength=test.n_classes).argmax())  # the train split's commonest
+        share = test.labels.count(majority) / len(test)
+        return {"chance": 1 / test.n_classes, "majority": share,
+                "text": f"chance {100 / test.n_classes:.2f} ({test.n_classes} classes); majority class {100 * share:.2f}"}
+    if isinstance(test, TranscribeTask):
+        # an in-domain guess that does not listen: each clip "transcribed" as the next test clip's sentence
+        refs = list(test.transcripts)
+        other = error_rates(refs, refs[1:] + refs[:1])["cer"] if len(refs) > 1 else math.nan
+        return {"empty_cer": 1.0, "other_sentence_cer": other,
+                "text": f"empty transcript 100.00; another test sentence {100 * other:.2f}"}
+    if isinstance(test, ActionTask) and test.reference is not None:
+        lo, hi = test.reference
+        return {"random_return": lo, "expert_return": hi,
+                "text": f"random policy 0 (return {lo:.1f}); expert 100 (return {hi:.1f})"}
+    if isinstance(test, LMTask):
+        nll, bits = unigram_nll(train, test)
+        return {"unigram_ppl": math.exp(nll), "unigram_bpb": bits,
+                "text": f"unigram {math.exp(nll):.2f} ({bits:.4f} bits/byte)"}
+    return {}
+
+
+def unigram_nll(train, test) -> tuple[float, float]:
+    """(held-out NLL per token in nats, bits per byte) of a unigram model of the train split's tokens (add-one
+    smoothing over the vocabulary), counted over the tokens LMTask.evaluate predicts (after bos, through eos)."""
+    def targets(task) -> np.ndarray:
+        return np.concatenate([task.tokenizer.encode(t, key="unigram").tokens[1:].numpy() for t in task.texts])
+
+    counts = np.bincount(targets(train), minlength=train.tokenizer.vocab_size) + 1.0
+    held = targets(test)
+    nll = float(-np.log(counts[held] / counts.sum()).sum())
+    return nll / len(held), nll / math.log(2) / sum(len(t.encode("utf-8")) for t in test.texts)
+
+
+def task_baselines(train: list[Task], test: list[Task]) -> dict[str, dict[str, Any]]:
+    """{task: baseline(...)} for every task with a held-out metric."""
+    return {b.name: baseline(a, b) for a, b in zip(train, test)}
+
+
+def results_table(results: dict[str, dict[str, float]], tasks: list[Task],
+                  baselines: dict[str, dict[str, Any]] | None = None) -> str:
     """One Markdown row per task: the headline metric as the single-task recipe reports it (percent points
-    for accuracy and CER), the secondary metric, and what it was measured on."""
-    lines = ["| task | metric | value | also | held-out data |", "|---|---|---|---|---|"]
+    for accuracy and CER), what chance or a simple baseline scores on it, the secondary metric, and what it
+    was measured on."""
+    lines = ["| task | metric | value | chance / baseline | also | held-out data |", "|---|---|---|---|---|---|"]
     for t in tasks:
         r = results.get(t.name)
         if r is None:
             continue
-        lines.append(f"| {t.name} | " + " | ".join(t.result_row(r)) + " |")
+        metric, value, also, data = t.result_row(r)
+        base = (baselines or {}).get(t.name, {}).get("text", "")
+        lines.append(f"| {t.name} | {metric} | {value} | {base} | {also} | {data} |")
     return "\n".join(lines)
+
+
+# What curves.png draws of each task (omni.plots.training_curves draws a dozen eval metrics): its training and
+# held-out loss and its headline test metrics, by task kind; a plug-in kind: all of its test metrics.
+CURVE_METRICS = {"classify": ("accuracy",), "transcribe": ("cer", "ctc_cer"), "action": ("score_mean", "score_std"),
+                 "lm": ("bpb",)}
+
+
+class CurveRecords:
+    """The run's metric history as curves.png should see it: the total loss, each task's loss and its
+    headline test metrics (``CURVE_METRICS``), not token shares, counts or every secondary metric, so that every
+    task has its panels. history.jsonl and TensorBoard keep everything."""
+
+    def __init__(self, history, tasks: list[Task]) -> None:
+        self.history = history
+        self.keep = {"step", "train/loss", "train/loss_per_step", "eval/loss"}
+        self.tasks = {}
+        for t in tasks:
+            self.keep |= {f"train/{t.name}/loss", f"eval/{t.name}/loss"}
+            self.tasks[t.name] = CURVE_METRICS.get(t.kind)
+
+    def shown(self, name: str) -> bool:
+        if name in self.keep:
+            return True
+        task, _, metric = name.removeprefix("eval/").partition("/test_")
+        return task in self.tasks and (self.tasks[task] is None or metric in self.tasks[task])
+
+    @property
+    def records(self) -> list[dict[str, Any]]:
+        return [{k: v for k, v in r.items() if self.shown(k)} for r in self.history.records]
 
 
 def eval_fn(model, batch) -> dict[str, torch.Tensor]:
@@ -617,6 +708,7 @@ def main(argv=None, *, on_trained=None) -> dict:
                       samples_fn=lambda model, step: task_samples(model.omni, tasks["test"]), hparams=cfg,
                       export_config=export, export_tokenizers=merge_tokenizers(tasks["train"]),
                       export_module=lambda m: m.omni)
+    trainer.pictures.history = CurveRecords(trainer.history, tasks["test"])  # what curves.png draws
     if state.is_main_process:
         acc = trainer.accelerator
         n_params = sum(p.numel() for p in unwrap(trainer.model).parameters())  # DTensor: the global count
@@ -649,11 +741,12 @@ def main(argv=None, *, on_trained=None) -> dict:
         per_task = "; ".join(f"{t.name} loss {metrics.get(f'train/{t.name}/loss', math.nan):.3f}" for t in tasks["train"])
         print(f"done in {result['seconds']:.0f} s: {per_task}; model exported to {trainer.export_dir}", flush=True)
         if record:
-            table = results_table(record, tasks["test"])
+            baselines = task_baselines(tasks["train"], tasks["test"])
+            table = results_table(record, tasks["test"], baselines)
             print(table, flush=True)
             payload = {"preset": cfg["preset"], "tasks": [t.name for t in tasks["train"]], "steps": metrics.get("step"),
                        "tokens_per_step": cfg["rows"] * cfg["row_length"] * state.num_processes,  # all ranks
-                       "results": record, "table": table, "config": cfg}
+                       "results": record, "baselines": baselines, "table": table, "config": cfg}
             write_atomic(out / "results.json", json.dumps(payload, indent=2, default=str))
     return metrics
 
