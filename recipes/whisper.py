@@ -54,7 +54,10 @@ from functools import partial
 from pathlib import Path
 
 import torch
+from rapidfuzz.distance import Levenshtein
+from rapidfuzz.process import cdist
 
+from omni.asr_text import normalize_text
 from omni.config import POSITIVE, Key, at_least, keywords_of, one_of
 from omni.recipe_runtime import check_corpus, rank_zero_first, recipe_config, recipe_parser, run_recipe, train_config
 from omni.data.builders_speech import build_speech_synth
@@ -89,6 +92,10 @@ COMMON = dict(
                    "decoder loss only, no CTC head; None: 0.3, with init 0.3 when the init has a CTC head, else 0)"),
     audio_positions=Key("none", check=one_of("none", "sinusoidal"),
                         help="'sinusoidal': Whisper's absolute positions added to the audio embeddings"),
+    audio_stride=Key(2, int, at_least(1), "one audio token every N 10-ms mel frames (2: 50 Hz, Whisper's rate; 3: "
+                     "33 Hz, a third fewer encoder tokens); an init brings its own"),
+    report=Key("decoder", check=one_of("decoder", "ctc"),
+               help="which CER the result line gives first: the decoder's or the CTC head's (both are measured)"),
     batch_size=64, steps=6000, lr=1e-3, min_lr_ratio=0.02, warmup_steps=500, weight_decay=0.05, clip_norm=1.0,
     workers=8, compile=False, eval_every=1000, checkpoint_every=1000,
     limit_eval=Key(None, help="greedy-decode (for WER / CER) only the first N samples of each evaluation"),
@@ -106,6 +113,14 @@ PRESETS: dict[str, dict] = {
     "tiny": dict(data="data/speech-synth-tiny", build=dict(train=64, test=16), out="runs/whisper-tiny",
                  trunk="tiny", batch_size=16, steps=40, lr=3e-3, warmup_steps=5, workers=0, eval_every=0,
                  checkpoint_every=0, eval_batch_size=16, max_new_tokens=64),
+    # The CPU default (no GPU): hybrid CTC/attention at 3.6M parameters on short synthesised sentences, within
+    # ten minutes on two cores, data build included (measurements: the CPU section of benchmarks/results.md).
+    # On the CPU the CTC head learns to transcribe long before the decoder does, so the result line gives its CER
+    # first and the decoder's after.
+    "cpu": dict(data="data/speech-synth-cpu", build=dict(train=6000, test=200, max_words=15), out="runs/whisper-cpu",
+                trunk="tiny", trunk_overrides=dict(d_model=128, n_layers=3), audio_stride=3, ctc_weight=0.5,
+                batch_size=16, steps=1600, lr=2e-3, warmup_steps=200, workers=1, eval_every=400, checkpoint_every=400,
+                eval_batch_size=50, max_new_tokens=48, report="ctc"),
     # Whisper-base shape: 6 encoder + 6 decoder layers, width 512, 8 heads (one GPU).
     # lr: Whisper-base's 1e-3 is for batch 256; at batch 64 it diverged on the H100 (non-finite gradients at
     # step 537, right after warm-up), so 5e-4 (the square-root batch rule).
@@ -122,9 +137,9 @@ DEFAULT_CTC_WEIGHT = 0.3
 
 
 def parse_args(argv=None) -> dict:
-    ap = recipe_parser(__doc__, COMMON, PRESETS, "base on CUDA, tiny otherwise",
+    ap = recipe_parser(__doc__, COMMON, PRESETS, "base on CUDA, cpu otherwise",
                        data_help="dataset directory (manifest.json + shards with audio + .txt)")
-    cfg = recipe_config(ap, ap.parse_args(argv), COMMON, PRESETS, "base" if torch.cuda.is_available() else "tiny")
+    cfg = recipe_config(ap, ap.parse_args(argv), COMMON, PRESETS, "base" if torch.cuda.is_available() else "cpu")
     if cfg["init"] is not None and cfg["bpe_vocab"] is not None:
         ap.error("bpe_vocab fits a new tokenizer, init brings its own: set one of them")
     if cfg["data"] is None:
@@ -281,13 +296,29 @@ class Scorer:
     samples of the pass (None: all) as `omni transcribe` does (``transcribe_batch``: the model's prompt, stop and
     logit rules), adding up word and character edits; ``metrics`` (the model_metrics_fn,
     run after the pass) turns every rank's sums into corpus WER and CER (with a CTC head also its best-path
-    CER: what the encoder alone hears) and the number of reference words scored, then starts over."""
+    CER: what the encoder alone hears) and the number of reference words scored, then starts over.
 
-    def __init__(self, text: TextTokenizer, limit: int | None, max_new_tokens: int) -> None:
+    Alongside, so that no number is read alone: the character edits of two trivial transcribers on the same
+    references (an empty transcript, 100% by definition; ``constant``, one training sentence said every time),
+    and, with ``samples`` (a folder, main process only), every decoded clip of the pass as
+    ``samples/step_<N>.tsv`` (key, reference, CTC hypothesis, decoder hypothesis). ``seconds`` adds up the
+    wall time of the evaluation passes (first batch to metrics)."""
+
+    HEADER = ("key", "reference", "ctc", "decoder")
+
+    def __init__(self, text: TextTokenizer, limit: int | None, max_new_tokens: int, constant: str = "",
+                 samples: Path | None = None) -> None:
         self.text, self.limit, self.max_new_tokens = text, limit, max_new_tokens
-        self.sums, self.samples = torch.zeros(5, dtype=torch.float64), 0  # word edits, words, char edits, chars, CTC
+        self.constant, self.samples_dir = constant, samples
+        # word edits, words, char edits, chars, CTC char edits, the constant transcript's char edits
+        self.sums, self.samples = torch.zeros(6, dtype=torch.float64), 0
+        self.rows: list[tuple[str, ...]] = []
+        self.seconds, self._started = 0.0, None  # type: float, float | None
+        self.last: dict[str, float] = {}  # the latest metrics, with the baselines' CER
 
     def eval_fn(self, model, batch) -> dict[str, torch.Tensor]:
+        if self._started is None:
+            self._started = time.perf_counter()
         m = unwrap(model)
         ctc = m.ctc_head is not None
         logits, ctc_logits = m(batch.audio, batch.audio_mask, batch.text, ctc=True) if ctc else \
@@ -299,22 +330,52 @@ class Scorer:
                                     check_every=8)
             refs = [self.text.decode(ref) for ref in batch.text.tolist()]  # the prompt's specials are dropped
             heard = ctc_greedy_decode(ctc_logits, batch.audio_mask) if ctc else refs
-            for ref, hyp, ctc_hyp in zip(refs, said, heard):
+            for key, ref, hyp, ctc_hyp in zip(batch.keys, refs, said, heard):
                 counts = error_counts(ref, hyp)
-                self.sums += torch.tensor([*counts, error_counts(ref, ctc_hyp)[2]], dtype=torch.float64)
+                self.sums += torch.tensor([*counts, error_counts(ref, ctc_hyp)[2],
+                                           error_counts(ref, self.constant)[2]], dtype=torch.float64)
+                if self.samples_dir is not None:
+                    self.rows.append((key, ref, ctc_hyp if ctc else "", hyp))
             self.samples += len(refs)
         return {"loss": (nll * keep).sum(1) / keep.sum(1)}
 
     def metrics(self, model, step: int) -> dict[str, float]:
         sums, self.sums, self.samples = self.sums, torch.zeros_like(self.sums), 0
+        rows, self.rows = self.rows, []
         if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:  # every rank is here
             sums = sums.to(next(unwrap(model).parameters()).device)
             torch.distributed.all_reduce(sums)
-        word_edits, words, char_edits, chars, ctc_edits = sums.tolist()
+        if self._started is not None:
+            self.seconds += time.perf_counter() - self._started
+            self._started = None
+        word_edits, words, char_edits, chars, ctc_edits, constant_edits = sums.tolist()
         if not chars:
             return {}
+        if self.samples_dir is not None:
+            self.write_samples(step, rows)
         out = {"wer": word_edits / max(words, 1.0), "cer": char_edits / chars, "words": words}
-        return {**out, "ctc_cer": ctc_edits / chars} if unwrap(model).ctc_head is not None else out
+        if unwrap(model).ctc_head is not None:
+            out["ctc_cer"] = ctc_edits / chars
+        self.last = {**out, "empty_cer": 1.0, "constant_cer": constant_edits / chars}
+        return out
+
+    def write_samples(self, step: int, rows: list[tuple[str, ...]]) -> Path:
+        """``samples/step_<step>.tsv``: a header, then one decoded clip a line (tabs and newlines inside a
+        transcript become spaces), written atomically."""
+        lines = ["\t".join(" ".join(field.split()) for field in row) for row in [self.HEADER, *rows]]
+        self.samples_dir.mkdir(parents=True, exist_ok=True)
+        return write_atomic(self.samples_dir / f"step_{step}.tsv", "\n".join(lines) + "\n")
+
+
+def constant_transcript(transcripts: list[str], candidates: int = 200) -> str:
+    """The trivial transcriber's answer: of the first ``candidates`` training transcripts, the one with the
+    fewest character edits to all of them (normalised as WER / CER count), said for every clip. Chosen on the
+    training transcripts only, never on what is scored."""
+    if not transcripts:
+        return ""
+    refs = [normalize_text(t) for t in transcripts]
+    edits = cdist(refs[:candidates], refs, scorer=Levenshtein.distance, dtype="int32", workers=1).sum(1)
+    return refs[int(edits.argmin())]
 
 
 def first_clips(data: Path, split: str, n: int, max_corrupt_fraction: float) -> list[tuple[bytes, str, str]]:
@@ -358,6 +419,25 @@ class Listen:
                 for i, ((wave, ref, _), hyp) in enumerate(zip(self.clips, heard))]
 
 
+def result_line(report: str, metrics: dict, baselines: dict, constant: str) -> str:
+    """The run's result in one line: the CER ``report`` names first ("ctc": the CTC head's best path, else the
+    decoder's greedy transcript), the other one after, WER, and what the trivial transcribers score on the same
+    clips, so that the number is never read alone."""
+    pct = lambda v: f"{100 * v:.1f}%" if isinstance(v, (int, float)) and math.isfinite(v) else "n/a"
+    decoder = f"decoder (greedy) {pct(metrics.get('eval/cer', math.nan))}"
+    heads = [decoder]
+    if "eval/ctc_cer" in metrics:
+        ctc = f"CTC head (best path) {pct(metrics['eval/ctc_cer'])}"
+        heads = [ctc, decoder] if report == "ctc" else [decoder, ctc]
+    line = f"test CER: {heads[0]}" + "".join(f", {h}" for h in heads[1:])
+    line += f"; test WER (decoder) {pct(metrics.get('eval/wer', math.nan))}"
+    if "constant_cer" in baselines:
+        words = len(constant.split())
+        line += (f"; baselines on the same {baselines['words']:.0f} words: an empty transcript 100%, one training "
+                 f"sentence every time ({words} words) {pct(baselines['constant_cer'])}")
+    return line
+
+
 # ---------------------------------------------------------------------------------------------------
 
 
@@ -368,14 +448,16 @@ def main(argv=None) -> dict:
                          "checkpoint)")
     state = process_state()
     rank, world = state.process_index, state.num_processes
+    started = time.time()
     data = ensure_data(cfg, rank, world)
+    data_seconds = time.time() - started
     manifest = read_manifest(data, kind="speech")
     train_split, eval_split = choose_splits(cfg, data, manifest["splits"])
     if cfg["init"] is not None:
         model, export, tokenizers = from_init(cfg)
         audio, text = tokenizers["audio"], tokenizers["text"]
     else:
-        audio = AudioTokenizer(max_seconds=cfg["max_seconds"])
+        audio = AudioTokenizer(max_seconds=cfg["max_seconds"], stride=cfg["audio_stride"])
         text = make_text_tokenizer(cfg, data, rank, world)
         model, export = from_scratch(cfg, audio, text)
     ctc = model.ctc_head is not None
@@ -398,7 +480,11 @@ def main(argv=None) -> dict:
         eval_data = ShardLoader(data, decode, collate, cfg["eval_batch_size"], split=eval_split, shuffle=False,
                                 **loader)
 
-    scorer = Scorer(text, cfg["limit_eval"], cfg["max_new_tokens"])
+    constant = constant_transcript(read_transcripts(data, train_split, cfg["max_corrupt_fraction"])) \
+        if eval_split is not None else ""
+    out = Path(cfg["out"])
+    scorer = Scorer(text, cfg["limit_eval"], cfg["max_new_tokens"], constant,
+                    samples=out / "samples" if state.is_main_process else None)
     config = train_config(cfg, run_name=f"whisper-{cfg['preset']}")
     trainer = Trainer(model, SpeechLoss(cfg["ctc_weight"]), train_data, config, eval_data=eval_data,
                       eval_fn=scorer.eval_fn, model_metrics_fn=scorer.metrics,
@@ -412,13 +498,16 @@ def main(argv=None) -> dict:
     start = time.time()
     metrics = trainer.fit()
     if state.is_main_process:
-        result = {"seconds": round(time.time() - start, 1), **{k: v for k, v in metrics.items()
-                                                               if isinstance(v, (int, float))}}
-        Path(cfg["out"]).mkdir(parents=True, exist_ok=True)
-        write_atomic(Path(cfg["out"]) / "eval.json", json.dumps(result, indent=2, sort_keys=True))
-        print(f"done in {result['seconds']:.0f} s: test WER {metrics.get('eval/wer', math.nan):.4f} "
-              f"CER {metrics.get('eval/cer', math.nan):.4f} (loss {metrics.get('eval/loss', math.nan):.4f}); "
-              f"model exported to {trainer.export_dir}", flush=True)
+        seconds = time.time() - start
+        result = {"seconds": round(seconds, 1), "data_seconds": round(data_seconds, 1),
+                  "eval_seconds": round(scorer.seconds, 1), **{k: v for k, v in metrics.items()
+                                                                 if isinstance(v, (int, float))}}
+        result.update({f"baseline/{k}": scorer.last[k] for k in ("empty_cer", "constant_cer") if k in scorer.last})
+        out.mkdir(parents=True, exist_ok=True)
+        write_atomic(out / "eval.json", json.dumps(result, indent=2, sort_keys=True))
+        print(result_line(cfg["report"], metrics, scorer.last, constant) + f"; {data_seconds:.0f} s data build, "
+              f"{seconds - scorer.seconds:.0f} s training, {scorer.seconds:.0f} s evaluation; model exported to "
+              f"{trainer.export_dir}", flush=True)
     return metrics
 
 

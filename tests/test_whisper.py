@@ -243,8 +243,9 @@ def test_wer_cer_hand_examples():
 # The recipe end to end (tiny preset, a handful of utterances): shards built, trained, exported, evaluated
 
 
-def test_recipe_tiny_smoke(tmp_path):
+def test_recipe_tiny_smoke(tmp_path, capsys):
     import importlib.util
+    import json
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
@@ -257,11 +258,29 @@ def test_recipe_tiny_smoke(tmp_path):
     build = {"train": 6, "test": 3, "text": [str(corpus)], "workers": 1, "quiet": True}
     metrics = recipe.main(["--preset", "tiny", "--out", str(tmp_path / "run"), "--set", f"data='{tmp_path / 'data'}'",
                            f"build={build!r}", "steps=3", "batch_size=3", "eval_batch_size=3", "max_new_tokens=6",
-                           "progress=False"])
+                           "progress=False", "eval_every=2"])
     assert metrics["eval/words"] > 3 and 0.0 <= metrics["eval/cer"] and metrics["eval/loss"] > 0
     assert metrics["eval/ctc_cer"] >= 0.0 and metrics["train/ctc_loss"] > 0  # hybrid CTC/attention by default
     final = tmp_path / "run" / "final"
-    assert (tmp_path / "run" / "eval.json").is_file() and (final / "tokenizers" / "text" / "tokenizer.json").is_file()
+    assert (final / "tokenizers" / "text" / "tokenizer.json").is_file()
+    # every evaluation (step 2, and the final one at 3) leaves its transcripts on disk: one row per test clip
+    tests = recipe.first_clips(tmp_path / "data", "test", 3, 0.0)
+    assert sorted(p.name for p in (tmp_path / "run" / "samples").glob("*.tsv")) == ["step_2.tsv", "step_3.tsv"]
+    rows = [line.split("\t") for line in (tmp_path / "run" / "samples" / "step_3.tsv").read_text().splitlines()]
+    assert rows[0] == ["key", "reference", "ctc", "decoder"] and all(len(r) == 4 for r in rows)
+    assert [(r[0], r[1]) for r in rows[1:]] == [(key, " ".join(ref.split())) for _, ref, key in tests]
+    heard = [r[2] for r in rows[1:]]
+    chars = sum(len(normalize_text(ref)) for _, ref, _ in tests)
+    assert sum(edit_distance(normalize_text(ref), normalize_text(h)) for (_, ref, _), h in zip(tests, heard)) \
+        == pytest.approx(metrics["eval/ctc_cer"] * chars)  # the file holds what was scored
+    # the result: both CERs, the decoder's first (the tiny preset's report), then the trivial transcribers'
+    result = json.loads((tmp_path / "run" / "eval.json").read_text())
+    assert result["baseline/empty_cer"] == 1.0 and 0.0 < result["baseline/constant_cer"] <= 1.5
+    assert result["eval/cer"] == metrics["eval/cer"] and result["data_seconds"] > 0
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert line.startswith(f"test CER: decoder (greedy) {100 * metrics['eval/cer']:.1f}%, CTC head (best path) "
+                           f"{100 * metrics['eval/ctc_cer']:.1f}%; test WER (decoder) ")
+    assert "an empty transcript 100%, one training sentence every time" in line and " s data build, " in line
     wav = tmp_path / "x.wav"
     sf.write(wav, synth(SENTENCES[0], 0), SR)
     out = transcribe_files(final, [wav], device="cpu", max_new_tokens=6)

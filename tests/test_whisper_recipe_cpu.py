@@ -1,0 +1,67 @@
+"""recipes/whisper.py's CPU default and its reporting: the `cpu` preset is the default without CUDA, the result
+line gives the CER the preset reports first and the other after, with the trivial transcribers' scores; the
+constant-transcript baseline is the training medoid; samples/ files are one clip a line, whatever a transcript
+holds. (The recipe end to end, samples/ included: tests/test_whisper.py::test_recipe_tiny_smoke.)"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def recipe():
+    spec = importlib.util.spec_from_file_location("whisper_recipe_cpu", ROOT / "recipes" / "whisper.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_default_preset_is_cpu_without_cuda_and_base_with_it(recipe, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    cfg = recipe.parse_args([])
+    assert (cfg["preset"], cfg["out"], cfg["report"], cfg["audio_stride"]) == ("cpu", "runs/whisper-cpu", "ctc", 3)
+    assert cfg["build"]["test"] >= 200 and cfg["limit_eval"] is None  # the whole held-out set is scored
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert recipe.parse_args([])["preset"] == "base"
+    assert recipe.parse_args(["--preset", "tiny"])["report"] == "decoder"  # the tiny smoke run keeps its order
+
+
+def test_result_line_reports_the_claimed_cer_first_and_the_baselines(recipe):
+    metrics = {"eval/cer": 0.6123, "eval/ctc_cer": 0.1849, "eval/wer": 0.81}
+    baselines = {"words": 2706.0, "constant_cer": 0.7771, "empty_cer": 1.0}
+    line = recipe.result_line("ctc", metrics, baselines, "it was a very fine day")
+    assert line == ("test CER: CTC head (best path) 18.5%, decoder (greedy) 61.2%; test WER (decoder) 81.0%; "
+                    "baselines on the same 2706 words: an empty transcript 100%, one training sentence every time "
+                    "(6 words) 77.7%")
+    assert recipe.result_line("decoder", metrics, baselines, "x").startswith(
+        "test CER: decoder (greedy) 61.2%, CTC head (best path) 18.5%;")
+    # no CTC head (ctc_weight=0): the decoder alone; no evaluation: n/a, never a made-up number
+    assert recipe.result_line("ctc", {"eval/cer": 0.5, "eval/wer": 0.7}, {}, "") == \
+        "test CER: decoder (greedy) 50.0%; test WER (decoder) 70.0%"
+    assert recipe.result_line("ctc", {"eval/wer": math.nan}, {}, "") == \
+        "test CER: decoder (greedy) n/a; test WER (decoder) n/a"
+
+
+def test_constant_transcript_is_the_training_medoid(recipe):
+    transcripts = ["The cat sat.", "the cat sat down", "The dog sat!", "zzzz zzzz zzzz zzzz zzzz zzzz"]
+    assert recipe.constant_transcript(transcripts) == "the cat sat"  # normalised as CER counts
+    assert recipe.constant_transcript(transcripts, candidates=1) == "the cat sat"
+    assert recipe.constant_transcript(transcripts[::-1], candidates=1) == "zzzz zzzz zzzz zzzz zzzz zzzz"
+    assert recipe.constant_transcript([]) == ""
+
+
+def test_samples_file_has_one_clip_a_line(recipe, tmp_path):
+    from omni.tokenizers.text import TextTokenizer
+
+    scorer = recipe.Scorer(TextTokenizer(), None, 8, samples=tmp_path / "samples")
+    path = scorer.write_samples(7, [("k0", "a\tb", "a b", ""), ("k1", "two\nlines", "two  lines", "x")])
+    assert path == tmp_path / "samples" / "step_7.tsv"
+    assert path.read_text() == "key\treference\tctc\tdecoder\nk0\ta b\ta b\t\nk1\ttwo lines\ttwo lines\tx\n"
+    assert [p.name for p in (tmp_path / "samples").iterdir()] == ["step_7.tsv"]  # no temporary left behind
