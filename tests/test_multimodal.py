@@ -230,6 +230,12 @@ def test_tiny_preset_trains_every_task_with_per_task_metrics(cache, tmp_path, ca
     b = results["baselines"]
     assert b["image"]["chance"] == 0.1 and b["asr"]["empty_cer"] == 1.0 and 0.3 < b["asr"]["other_sentence_cer"] < 1
     assert b["rl"]["expert_return"] == 500 and b["rl"]["random_return"] < 50
+    # the run's time split: data build, training, task metrics (per task), baselines, and their total
+    tm = results["time"]
+    assert set(tm["per_task"]) == set(TASKS) and tm["task_metrics"] == pytest.approx(sum(tm["per_task"].values()), abs=0.2)
+    assert min(tm["data_build"], tm["training"], tm["baselines"]) > 0
+    assert tm["total"] == pytest.approx(tm["data_build"] + tm["training"] + tm["task_metrics"] + tm["baselines"], abs=0.5)
+    assert any(line.startswith("time: data build ") for line in printed)
     # the unigram counts the tokens LMTask.evaluate predicts: bits/byte = log2(ppl) x tokens / bytes
     assert 1 < b["text"]["unigram_ppl"] < 8192
     assert b["text"]["unigram_bpb"] == pytest.approx(np.log2(b["text"]["unigram_ppl"]) * r["text"]["tokens"]
@@ -254,6 +260,10 @@ def test_tiny_preset_trains_every_task_with_per_task_metrics(cache, tmp_path, ca
     assert set(model.heads) == {*TASKS, "asr_ctc"} and set(model.embedders) == MODALITIES
     assert model.heads["asr"].proj.weight is model.embedders["text"].token.weight
     assert model.heads["asr_ctc"].proj.weight.shape == (257, model.trunk_config.d_model)
+    # Predictions name the classes: the export records them (omni predict prints them) and the samples show them.
+    exported = json.loads((out / "final" / "config.json").read_text())
+    assert exported["tasks"]["image"]["class_names"][:2] == ["T-shirt/top", "Trouser"]
+    assert (out / "samples" / "image_predictions.png").is_file()
 
 
 # ----------------------------------------------------------------------------------------------------
