@@ -301,6 +301,26 @@ def test_tiny_preset_learns_and_recipe_runs_end_to_end(tmp_path):
         assert r["score_mean"] == pytest.approx(float(normalized_score(r["return_mean"], ref["random"], 500.0)))
     assert "| dt | 500.0 |" in out["table"] and "| fbc | - |" in out["table"]
     assert [r["episodes"] for r in out["runs"]] == [10, 10, 1]  # fbc: top 10% of 10 episodes
+    # the time split: data, training per method, rollouts (what the run spent where), parts within the total
+    seconds = saved["seconds"]
+    assert list(seconds) == ["data", "training dt", "training bc", "training fbc", "rollouts", "total"]
+    assert all(v >= 0 for v in seconds.values()) and sum(seconds.values()) - seconds["total"] <= seconds["total"]
+    assert seconds["rollouts"] == pytest.approx(sum(r["eval_seconds"] for r in saved["runs"]))
+
+
+def test_default_preset_is_cpu_without_cuda_and_dt_with(monkeypatch):
+    """Plain ``python recipes/decision_transformer.py``: the cpu preset (minutes on 2 cores) on a machine without
+    CUDA, the official dt configuration with one; --preset still wins; the cpu preset sweeps several targets (a
+    return-vs-target curve) with enough episodes per target to read it."""
+    recipe = load_recipe()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    cfg = recipe.parse_args([])
+    assert cfg["preset"] == "cpu" and cfg["out"] == "runs/dt-CartPole-v1-cpu" and cfg["data"] == "data/gym-CartPole-v1"
+    assert len(cfg["target_fractions"]) >= 3 and cfg["eval_seeds"] >= 20 and cfg["methods"] == ["dt", "bc", "fbc"]
+    assert recipe.parse_args(["--preset", "tiny"])["preset"] == "tiny"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    cfg = recipe.parse_args([])
+    assert cfg["preset"] == "dt" and cfg["steps"] == 10_000 and cfg["trunk_overrides"] == {}
 
 
 def test_cuda_graph_auto_means_one_cuda_process(capsys):
