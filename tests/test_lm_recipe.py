@@ -1,5 +1,6 @@
 """recipes/lm.py: the tiny preset trains a text LM from scratch (the loss falls, held-out bits/byte and generated
-continuations are logged); started from a Hugging Face GPT-2 directory (tied or untied head) its first training
+continuations are logged, each evaluation's continuations written to samples/step_<N>.txt with its bits/byte and the
+unigram baseline, which matches a hand count); started from a Hugging Face GPT-2 directory (tied or untied head) its first training
 loss is HF's on the same packed batch and a few steps lower it, an untied head trains apart from the table, the
 export goes back to HF with the same logits and `omni generate` runs on it; a bad init is one line."""
 
@@ -7,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -65,12 +67,29 @@ def step_losses(out: Path) -> list[float]:
 
 def test_tiny_preset_from_scratch(corpus, tmp_path):
     out = tmp_path / "run"
-    metrics = recipe.main(args(out, corpus, "steps=12", "log_every=4"))
+    metrics = recipe.main(args(out, corpus, "steps=12", "log_every=4", "eval_every=6"))
     losses = step_losses(out)
     print(f"from scratch: loss {losses[0]:.3f} -> {losses[-1]:.3f}; held out {metrics['eval/bpb']:.3f} bits/byte, "
-          f"perplexity {metrics['eval/ppl']:.1f}")
+          f"perplexity {metrics['eval/ppl']:.1f}; unigram baseline {metrics['unigram_bpb']:.3f}")
     assert len(losses) == 12 and losses[-1] < losses[0] - 1.0
     assert 0 < metrics["eval/bpb"] and metrics["eval/ppl"] < 8192  # better than uniform over the vocabulary
+
+    # samples/step_<N>.txt at each evaluation: that step's held-out bits/byte (as history.jsonl has it) and the
+    # baseline in the header, then each held-out opening in [brackets] and a continuation
+    rows = [json.loads(line) for line in (out / "history.jsonl").read_text().splitlines()]
+    bpb = {r["step"]: r["eval/bpb"] for r in rows if "eval/bpb" in r}
+    assert sorted(bpb) == [6, 12] and sorted(p.name for p in (out / "samples").iterdir()) == ["step_06.txt",
+                                                                                                "step_12.txt"]
+    held_out = recipe.documents(recipe.parse_args(args(out, corpus)), recipe.TextTokenizer(max_length=64))["test"]
+    for step, value in bpb.items():
+        text = (out / "samples" / f"step_{step:02d}.txt").read_text()
+        header, *samples = [block for block in text.split("\n\n") if block.strip()]
+        assert header.startswith(f"step {step} of 12: held-out {value:.4f} bits/byte, unigram baseline "
+                                 f"{metrics['unigram_bpb']:.4f} bits/byte"), header
+        assert len(samples) == 2
+        for sample, doc in zip(samples, held_out):
+            opening, continuation = sample[1:].split("]", 1)
+            assert sample.startswith("[") and doc.startswith(opening) and len(opening) > 10 and continuation.strip()
     config = load_config(out / "final")
     assert config["heads"]["lm"]["tie_to"] == "text" and config["trunk"]["positions"] == "learned_1d"
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -83,6 +102,16 @@ def test_tiny_preset_from_scratch(corpus, tmp_path):
                       if t.startswith("lm/sample")})
     assert sorted(texts) == ["lm/sample0/text_summary", "lm/sample1/text_summary"]
     assert all(t.startswith("**") and len(t.split("**")[2]) > 0 for t in texts.values())  # prompt, continuation
+
+
+def test_unigram_baseline_by_hand():
+    """Training tokens "the", " the", " the" | "the", each document then eos: counts 2, 2, 2 of 6, add-one over
+    the 8192-id vocabulary; the held-out "the" + eos cost -2 log2(3 / 8198) bits over its 3 bytes."""
+    tok = recipe.TextTokenizer(max_length=64)
+    assert [len(tok.hf.encode(t, add_special_tokens=False).ids) for t in ("the", " the")] == [1, 1]
+    value = recipe.unigram_bpb(tok, ["the the the", "the"], ["the"])
+    assert value == pytest.approx(-2 * math.log2(3 / (6 + 8192)) / 3, rel=1e-12)
+    assert recipe.unigram_bpb(tok, ["the the the", "the"], ["the the"]) < value  # " the" is as likely, 4 bytes
 
 
 def hf_dir(tmp_path: Path, tied: bool) -> tuple[GPT2LMHeadModel, Path]:
