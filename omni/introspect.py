@@ -312,7 +312,7 @@ def image_attention(model: nn.Module, images: Tensor | Segment, method: Literal[
             batch = Packer()([Sample([images], key="image")]).to(device)
             model.forward_features(batch)
         elif isinstance(images, Segment):
-            model.token_features(tokens, positions)
+            model.token_features(tokens, positions, grid)
         else:
             model.forward_features(images)
     maps = rec.layers("attn", trunk="trunk")

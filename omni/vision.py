@@ -21,11 +21,42 @@ from torch import Tensor, nn
 from omni.export_kinds import IMAGE_CLASSIFIER
 from omni.heads import HEAD_NORM_EPS, ClassificationHead, Pool, pool_segments
 from omni.model import CarriedTensors
-from omni.tokenizers.image import ImageTokenizer, patchify
+from omni.tokenizers.image import ImagePatchEmbedder, ImageTokenizer, patchify, unpatchify
 from omni.trunk import Trunk, TrunkConfig
 
 BUILDER = IMAGE_CLASSIFIER  # the export kind this module builds (omni.export_kinds)
 POSITION_TABLE = "trunk.absolute.table.weight"  # the learned 1-D position table (trunk positions "learned_1d")
+
+
+class ConvStem(nn.Module):
+    """Convolutions over the whole image before it becomes tokens, the "hybrid" ViT (Dosovitskiy et al. 2021;
+    Xiao et al. 2021, "Early convolutions help transformers see better"): per entry of ``channels`` a 3x3
+    convolution, GroupNorm and GELU, the first at stride 1 and the others at stride 2, then the map is
+    average-pooled onto the patch grid. The tokens keep the patch layout (one per p x p patch, the same
+    positions), so every path that reads patch tokens reads these. GroupNorm, not BatchNorm: an image's tokens
+    never depend on the other images of its batch (one photo predicts as in a batch; N processes train as one).
+    On a small CPU budget the convolutions' locality is what a plain patch projection must learn from data."""
+
+    def __init__(self, in_channels: int, channels: Sequence[int], patch_size: int) -> None:
+        super().__init__()
+        channels = [int(c) for c in channels]
+        if not channels or min(channels) < 1:
+            raise ValueError(f"stem: a list of positive channel counts, got {channels!r}")
+        if 2 ** (len(channels) - 1) > patch_size:  # the strided map must not be coarser than the patch grid
+            raise ValueError(f"stem: {len(channels)} convolutions halve the image {len(channels) - 1} times, more "
+                             f"than patch size {patch_size} allows (at most {patch_size.bit_length()} entries)")
+        layers: list[nn.Module] = []
+        for i, (cin, cout) in enumerate(zip([in_channels] + channels, channels)):
+            layers += [nn.Conv2d(cin, cout, 3, stride=1 if i == 0 else 2, padding=1, bias=False),
+                       nn.GroupNorm(1, cout), nn.GELU()]
+        self.net = nn.Sequential(*layers)
+        self.channels, self.patch_size = channels, patch_size
+
+    def forward(self, x: Tensor) -> Tensor:
+        """Normalised images (B, C, H, W), H and W multiples of the patch -> tokens (B, n, channels[-1]),
+        row-major on the (H / p, W / p) grid, as ``patchify`` orders patches."""
+        grid = x.shape[-2] // self.patch_size, x.shape[-1] // self.patch_size
+        return F.adaptive_avg_pool2d(self.net(x), grid).flatten(2).transpose(1, 2)  # (B, n, c)
 
 
 class ImageClassifier(nn.Module):
@@ -33,10 +64,12 @@ class ImageClassifier(nn.Module):
     its CLS row and flag column on every path; pool="mean" then averages the CLS token with the patches,
     as ClassificationHead does on packed batches. ``norm_eps``: the head's LayerNorm (None: none). ``carried``:
     {name: shape} of a converted checkpoint's tensors off the classification path (a HF ViTModel's pooler), kept in
-    the state dict (``CarriedTensors``) so the export converts back whole; None adds nothing."""
+    the state dict (``CarriedTensors``) so the export converts back whole; None adds nothing. ``stem``: the channels
+    of a ``ConvStem`` that makes the tokens from the whole image (None: each patch's pixels, projected)."""
 
     def __init__(self, image: ImageTokenizer, trunk: TrunkConfig, n_classes: int, pool: Pool = "mean",
-                 norm_eps: float | None = HEAD_NORM_EPS, carried: Mapping[str, Sequence[int]] | None = None) -> None:
+                 norm_eps: float | None = HEAD_NORM_EPS, carried: Mapping[str, Sequence[int]] | None = None,
+                 stem: Sequence[int] | None = None) -> None:
         super().__init__()
         if trunk.positions == "learned_1d" and image.positions != "sequence":
             raise ValueError("trunk positions 'learned_1d' index one table by token order: the image tokenizer "
@@ -45,7 +78,9 @@ class ImageClassifier(nn.Module):
         self.patch_size, self.channels, self.cls = image.patch_size, image.channels, image.cls
         self.register_buffer("mean", torch.tensor(image.mean).view(1, -1, 1, 1), persistent=False)
         self.register_buffer("std", torch.tensor(image.std).view(1, -1, 1, 1), persistent=False)
-        self.embed = image.embedder(trunk.d_model)
+        self.stem = ConvStem(image.channels, stem, image.patch_size) if stem else None
+        self.embed = (ImagePatchEmbedder(self.stem.channels[-1], trunk.d_model, cls=image.cls) if self.stem
+                      else image.embedder(trunk.d_model))
         self.trunk = Trunk(trunk)
         self.head = ClassificationHead(trunk.d_model, n_classes, pool=pool, norm_eps=norm_eps)
         self.carried = CarriedTensors(carried) if carried else None
@@ -59,21 +94,35 @@ class ImageClassifier(nn.Module):
         tokens ImageTokenizer.encode makes (n patches, + 1 CLS row)."""
         x = images.float() / 255.0 if images.dtype == torch.uint8 else images.float()
         x = (x - self.mean) / self.std
-        tokens = patchify(x, self.patch_size)  # (B, n, p*p*C)
+        tokens = self.stem(x) if self.stem is not None else patchify(x, self.patch_size)  # (B, n, p*p*C or c)
         grid = images.shape[-2] // self.patch_size, images.shape[-1] // self.patch_size
         positions = self.tokenizer.token_positions(grid, device=images.device)  # (n (+ 1), 2)
-        if self.cls:  # ImageTokenizer's layout: first a zero row flagged 1.0, patches flagged 0.0
-            flag = F.pad(tokens.new_zeros(*tokens.shape[:2], 1), (0, 0, 1, 0), value=1.0)  # (B, 1 + n, 1)
-            tokens = torch.cat([F.pad(tokens, (0, 0, 1, 0)), flag], dim=-1)  # (B, 1 + n, p*p*C + 1)
-        return self.token_features(tokens, positions.expand(images.shape[0], -1, -1))
+        return self.trunk(self.embed(self._with_cls(tokens)), positions.expand(images.shape[0], -1, -1), mask=None)
 
-    def token_features(self, tokens: Tensor, positions: Tensor) -> Tensor:
-        """Tokens (B, n, F) as ImageTokenizer.encode makes them, positions (B, n, 2) -> hidden states (B, n, d)."""
+    def _with_cls(self, tokens: Tensor) -> Tensor:
+        """(B, n, F) -> ImageTokenizer's layout with a CLS tokenizer: first a zero row flagged 1.0, patches 0.0."""
+        if not self.cls:
+            return tokens
+        flag = F.pad(tokens.new_zeros(*tokens.shape[:2], 1), (0, 0, 1, 0), value=1.0)  # (B, 1 + n, 1)
+        return torch.cat([F.pad(tokens, (0, 0, 1, 0)), flag], dim=-1)  # (B, 1 + n, F + 1)
+
+    def token_features(self, tokens: Tensor, positions: Tensor, grid: Sequence[int] | None = None) -> Tensor:
+        """Tokens (B, n, F) as ImageTokenizer.encode makes them, positions (B, n, 2) -> hidden states (B, n, d).
+        ``grid``: the (rows, cols) of patches, which a stem needs to put the patches back together (None: the
+        tokenizer's fixed image_size)."""
+        if self.stem is not None:
+            if grid is None:
+                if self.tokenizer.image_size is None:
+                    raise ValueError("a model with a convolutional stem needs the patch grid of its tokens")
+                grid = self.tokenizer.grid_size(*self.tokenizer.image_size)
+            patches = tokens[:, int(self.cls):, : self.tokenizer.patch_dim]  # (B, n, p*p*C) without CLS / flag
+            tokens = self._with_cls(self.stem(unpatchify(patches, grid, self.patch_size)))
         return self.trunk(self.embed(tokens), positions, mask=None)
 
-    def forward_tokens(self, tokens: Tensor, positions: Tensor) -> Tensor:
-        """Tokens (B, n, F), positions (B, n, 2) -> logits (B, classes): images of any size (prediction)."""
-        return self.forward_head(self.token_features(tokens, positions))
+    def forward_tokens(self, tokens: Tensor, positions: Tensor, grid: Sequence[int] | None = None) -> Tensor:
+        """Tokens (B, n, F), positions (B, n, 2) -> logits (B, classes): images of any size (prediction);
+        ``grid`` as in ``token_features``."""
+        return self.forward_head(self.token_features(tokens, positions, grid))
 
     def forward_head(self, features: Tensor, pre_logits: bool = False) -> Tensor:
         """Hidden states (B, n, d), each row one image -> logits (B, classes); ``pre_logits=True``: the pooled,
@@ -86,7 +135,9 @@ class ImageClassifier(nn.Module):
         """config.json for its export (``save_pretrained(model, dir, config, tokenizers={"image": tokenizer})``)."""
         names = {"class_names": list(class_names)} if class_names else {}
         carried = {"carried": self.carried.shapes()} if self.carried is not None else {}
-        return {"builder": BUILDER, "trunk": self.trunk.cfg.to_dict(), "head": self.head.spec(), **names, **carried}
+        stem = {"stem": list(self.stem.channels)} if self.stem is not None else {}
+        return {"builder": BUILDER, "trunk": self.trunk.cfg.to_dict(), "head": self.head.spec(), **names, **carried,
+                **stem}
 
 
 def head_options(config: dict[str, Any]) -> dict[str, Any]:
@@ -102,7 +153,7 @@ def head_options(config: dict[str, Any]) -> dict[str, Any]:
 def build_image_classifier(config: dict[str, Any], tokenizers: dict[str, Any]) -> ImageClassifier:
     """Export builder (config.json "builder": "omni.vision:build_image_classifier")."""
     return ImageClassifier(tokenizers["image"], TrunkConfig(**config["trunk"]), **head_options(config),
-                           carried=config.get("carried"))
+                           carried=config.get("carried"), stem=config.get("stem"))
 
 
 PositionRule = Literal["timm", "hf"]
@@ -155,7 +206,7 @@ def adapt_classifier(config: dict[str, Any], state_dict: dict[str, Tensor], imag
     if new_head:
         head["n_classes"] = n_classes
         state = {k: v for k, v in state.items() if not k.startswith("head.proj.")}
-    model = ImageClassifier(image, trunk, **head, carried=config.get("carried"))
+    model = ImageClassifier(image, trunk, **head, carried=config.get("carried"), stem=config.get("stem"))
     missing, unexpected = model.load_state_dict(state, strict=False)
     if unexpected or set(missing) != ({"head.proj.weight", "head.proj.bias"} if new_head else set()):
         raise ValueError(f"the state dict does not fit the image classifier: missing {sorted(missing)}, "

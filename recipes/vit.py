@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from omni.config import FRACTION, POSITIVE, Key, at_least, between, one_of, sets_trunk
+from omni.config import FRACTION, NON_EMPTY, POSITIVE, Key, at_least, between, one_of, sets_trunk
 from omni.recipe_runtime import rank_zero_first, recipe_config, recipe_parser, run_recipe, train_config
 from omni.data.memory import TensorLoader, materialise
 from omni.data.reader import ShardLoader
@@ -59,6 +59,9 @@ COMMON = dict(
     patch=Key(4, check=at_least(1), help="patch size in pixels"), trunk="S",
     trunk_overrides=Key({}, check=sets_trunk(max_positions=("image_size // patch",
                                                             lambda c: c["image_size"] // c["patch"]))),
+    stem=Key(None, (list, None), NON_EMPTY, each=Key(type=int, check=at_least(1)),
+             help="channels of a convolutional stem that makes the tokens from the whole image (3x3 convolutions, "
+                  "stride 1 then 2, pooled onto the patch grid; omni.vision.ConvStem); None: patches projected"),
     positions="learned", pool=Key("mean", check=one_of("mean", "cls")),
     batch_size=256, epochs=Key(10, (float, None), POSITIVE, "training epochs (unless steps is set)"),
     steps=Key(None, (int, None), help="optimizer steps (None: epochs x steps per epoch)"), lr=1e-3,
@@ -105,6 +108,11 @@ def parse_args(argv=None) -> dict:
     if cfg["init"] is None and cfg["image_size"] % cfg["patch"]:  # an init brings its own patch (checked in main)
         ap.error(f"image_size {cfg['image_size']} must be a multiple of patch {cfg['patch']}: images are cut into "
                  "patch x patch squares")
+    if cfg["stem"] and 2 ** (len(cfg["stem"]) - 1) > cfg["patch"]:
+        ap.error(f"stem {cfg['stem']}: its convolutions after the first halve the image, at most patch {cfg['patch']} "
+                 f"times in all: at most {cfg['patch'].bit_length()} entries")
+    if cfg["stem"] and cfg["init"]:
+        ap.error("init brings its own architecture: set stem or init, not both")
     if cfg["resize"] is not None and cfg["resize"] < cfg["image_size"]:
         ap.error(f"resize {cfg['resize']} must be >= image_size {cfg['image_size']}: the shorter side is resized to "
                  "resize, then an image_size square is cropped from it")
@@ -225,7 +233,7 @@ def main(argv=None) -> dict:
                                image_size=cfg["image_size"], policy="resize")
         trunk = preset(cfg["trunk"], positions=cfg["positions"], max_positions=cfg["image_size"] // cfg["patch"],
                        **cfg["trunk_overrides"])
-        model = ImageClassifier(image, trunk, n_classes, pool=cfg["pool"])
+        model = ImageClassifier(image, trunk, n_classes, pool=cfg["pool"], stem=cfg["stem"])
     augment = BatchAugment(pad=cfg["pad"], flip=cfg["flip"], erase_prob=cfg["erase_prob"])
 
     def loss_fn(model, batch):
@@ -281,7 +289,8 @@ def main(argv=None) -> dict:
     metrics = trainer.fit()
     if state.is_main_process:
         print(f"done in {time.time() - start:.0f} s: test accuracy {metrics.get('eval/accuracy', float('nan')):.4f} "
-              f"(loss {metrics.get('eval/loss', float('nan')):.4f}); model exported to {trainer.export_dir}", flush=True)
+              f"(chance {1 / n_classes:.4f}; loss {metrics.get('eval/loss', float('nan')):.4f}, chance "
+              f"{math.log(n_classes):.4f}); model exported to {trainer.export_dir}", flush=True)
     return metrics
 
 

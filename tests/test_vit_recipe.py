@@ -16,6 +16,7 @@ from conftest import write_idx_gz
 from omni.cli import main as omni_main
 from omni.data.builders_vision import build_fashion_mnist
 from omni.export import load_pretrained
+from omni.pipelines.predict import image_classifier
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: 2 torch threads on 2 busy cores ran 5x slower
@@ -99,6 +100,26 @@ def test_trunk_without_biases(dataset, tmp_path):
     names = [name for name, _ in model.trunk.named_parameters()]
     assert names and not any(name.endswith("bias") for name in names), names
     assert any(name.endswith("mlp.up.weight") for name in names)
+
+
+def test_convolutional_stem(dataset, tmp_path):
+    """`stem=[...]` puts a ConvStem before the trunk: it learns, the export rebuilds the stem, and omni predict reads
+    an image file through it as the recipe's evaluation does."""
+    recipe = load_recipe()
+    metrics = recipe.main(["--preset", "tiny", "--data", str(dataset[0]), "--out", str(tmp_path), "--set",
+                           "progress=False", "workers=0", "steps=60", "lr=0.005", "pad=0", "limit_train=None",
+                           "limit_eval=None", "stem=[8,16]"])
+    assert metrics["eval/accuracy"] > 0.6, metrics
+    model = load_pretrained(tmp_path / "final")
+    assert model.stem is not None and model.stem.channels == [8, 16]
+    images = dataset[1][0][:8]
+    files = [save(Image.fromarray(img), tmp_path / f"{i}.png", "PNG") for i, img in enumerate(images)]
+    with torch.no_grad():
+        direct = model(torch.from_numpy(np.stack(images))[:, None]).softmax(-1)
+    classify, tokenizer, _, _, _ = image_classifier(tmp_path / "final", "cpu")
+    with torch.no_grad():
+        read = torch.stack([classify(tokenizer.encode(f)).softmax(-1) for f in files])
+    torch.testing.assert_close(read, direct, rtol=1e-4, atol=1e-5)
 
 
 def save(img: Image.Image, path: Path, fmt: str) -> Path:
@@ -258,6 +279,10 @@ def test_a_run_killed_before_its_results_reports_them_on_a_rerun(dataset, tmp_pa
     (["image_size=30"], "image_size 30 must be a multiple of patch 7"),
     (["patch=5"], "image_size 28 must be a multiple of patch 5"),
     (["image_size=32", "patch=4", "resize=16"], "resize 16 must be >= image_size 32"),
+    (["stem=[8,8,8,8]"], "stem [8, 8, 8, 8]: its convolutions after the first halve the image, at most patch 7 times"),
+    (["stem=[]"], "stem"),
+    (["stem=[8,0]"], "stem"),
+    (["stem=[8]", "init=runs/x"], "init brings its own architecture: set stem or init, not both"),
 ])
 def test_image_size_patch_and_resize_that_disagree_are_one_line(sets, said, capsys):
     """Before, image_size=1 (or any size patch does not divide) went on to build the data and failed later with

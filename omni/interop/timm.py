@@ -289,6 +289,8 @@ def to_timm(config: Mapping[str, Any], state_dict: Mapping[str, Tensor], image: 
     if not arch:
         raise ConversionError("the export records no timm architecture: name one with --arch "
                               "(e.g. vit_base_patch16_224)")
+    if config.get("stem"):  # timm's vit_* models project each patch; their hybrids have other stems
+        raise ConversionError(f"timm's ViT cannot hold this export: it has a convolutional stem {config['stem']}")
     trunk, head = TrunkConfig(**config["trunk"]), head_options(config)
     wanted, default = _describe_export(trunk, head, image, state_dict), describe(timm_model(arch))
     source_args = recorded.get("model_args", {})

@@ -47,7 +47,8 @@ def image_classifier(checkpoint: str | Path, device: str
         n_classes = int(config["heads"][task]["n_classes"])
     elif isinstance(model, ImageClassifier) and tokenizer is not None:
         def classify(seg: Segment) -> Tensor:
-            return model.forward_tokens(seg.tokens[None].to(device), seg.positions_2d[None].to(device))[0]
+            return model.forward_tokens(seg.tokens[None].to(device), seg.positions_2d[None].to(device),
+                                        seg.meta["grid"])[0]
 
         n_classes = model.head.proj.out_features
     else:
