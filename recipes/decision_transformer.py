@@ -1,6 +1,6 @@
 """Decision Transformer on the shared trunk, with BC and filtered-BC baselines on the same data.
 
-    python recipes/decision_transformer.py                               # CartPole-v1; preset cpu without CUDA, dt with
+    python recipes/decision_transformer.py                               # no GPU: preset cpu (minutes); GPU: dt
     python recipes/decision_transformer.py --env CartPole-v1             # builds data/gym-CartPole-v1 if missing
     python recipes/decision_transformer.py --env Pendulum-v1 --preset dt-actdrop   # past actions hidden: reads the state
     python recipes/decision_transformer.py --env Pendulum-v1 --preset dt-large
