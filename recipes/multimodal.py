@@ -250,8 +250,10 @@ PRESETS: dict[str, dict[str, Any]] = {
                         tasks={"image": dict(TASKS["image"], patch=7),
                                "asr": dict(SYNTH_ASR, train=3000, test=100, max_words=10, max_new_tokens=64,
                                            eval_batch_size=50, ctc_weight=0.3),
-                               "rl": dict(TASKS["rl"]), "text": dict(TASKS["text"], max_tokens=128)},
-                        batches_per_epoch=500, steps=800, lr=2e-3, warmup_steps=50, workers=0, eval_every=0,
+                               # weight 1 (0.5 elsewhere): at 300 steps rl weight 0.5 rolled out at the random
+                               # policy's return, weight 1 above it (results_multimodal.md); its windows are cheap
+                               "rl": dict(TASKS["rl"], weight=1.0), "text": dict(TASKS["text"], max_tokens=128)},
+                        batches_per_epoch=500, steps=900, lr=2e-3, warmup_steps=50, workers=0, eval_every=0,
                         eval_batches=4, checkpoint_every=0, log_every=50, eval_tasks="end"),
     # One GPU, small trunk: quick quality checks against the single-task recipes.
     "small": dict(trunk="S", trunk_overrides=dict(d_model=256, n_layers=8, n_heads=8), row_length=2048, rows=8,
