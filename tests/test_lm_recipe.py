@@ -73,6 +73,7 @@ def test_tiny_preset_from_scratch(corpus, tmp_path):
           f"perplexity {metrics['eval/ppl']:.1f}; unigram baseline {metrics['unigram_bpb']:.3f}")
     assert len(losses) == 12 and losses[-1] < losses[0] - 1.0
     assert 0 < metrics["eval/bpb"] and metrics["eval/ppl"] < 8192  # better than uniform over the vocabulary
+    assert metrics["eval/bpb"] < metrics["byte_unigram_bpb"]  # 12 steps on five repeated sentences beat byte counts
 
     # samples/step_<N>.txt at each evaluation: that step's held-out bits/byte (as history.jsonl has it) and the
     # baseline in the header, then each held-out opening in [brackets] and a continuation
@@ -104,7 +105,7 @@ def test_tiny_preset_from_scratch(corpus, tmp_path):
     assert all(t.startswith("**") and len(t.split("**")[2]) > 0 for t in texts.values())  # prompt, continuation
 
 
-def test_unigram_baseline_by_hand():
+def test_unigram_baselines_by_hand():
     """Training tokens "the", " the", " the" | "the", each document then eos: counts 2, 2, 2 of 6, add-one over
     the 8192-id vocabulary; the held-out "the" + eos cost -2 log2(3 / 8198) bits over its 3 bytes."""
     tok = recipe.TextTokenizer(max_length=64)
@@ -112,6 +113,8 @@ def test_unigram_baseline_by_hand():
     value = recipe.unigram_bpb(tok, ["the the the", "the"], ["the"])
     assert value == pytest.approx(-2 * math.log2(3 / (6 + 8192)) / 3, rel=1e-12)
     assert recipe.unigram_bpb(tok, ["the the the", "the"], ["the the"]) < value  # " the" is as likely, 4 bytes
+    # over bytes: "aab" gives a 2 + 1, b 1 + 1 of 3 + 256
+    assert recipe.byte_unigram_bpb(["aab"], ["ab"]) == pytest.approx(-(math.log2(3 / 259) + math.log2(2 / 259)) / 2)
 
 
 def hf_dir(tmp_path: Path, tied: bool) -> tuple[GPT2LMHeadModel, Path]:
