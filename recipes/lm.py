@@ -279,11 +279,14 @@ def main(argv=None) -> dict:
     metrics = trainer.fit()
     if state.is_main_process:
         bpb = metrics.get("eval/bpb", float("nan"))
+
+        def gap(base: float) -> str:
+            return f"{abs(base - bpb):.4f} {'below' if bpb <= base else 'ABOVE'} it"
+
         print(f"done in {time.time() - start:.0f} s: train loss {metrics.get('train/loss', float('nan')):.4f}; held "
               f"out {bpb:.4f} bits/byte vs unigram baselines {baseline:.4f} (training-token frequencies; "
-              f"{abs(baseline - bpb):.4f} {'below' if bpb <= baseline else 'ABOVE'} it) and {byte_baseline:.4f} "
-              f"(training-byte frequencies; {abs(byte_baseline - bpb):.4f} {'below' if bpb <= byte_baseline else 'ABOVE'}"
-              f" it), token perplexity {metrics.get('eval/ppl', float('nan')):.2f}; samples in "
+              f"{gap(baseline)}) and {byte_baseline:.4f} (training-byte frequencies; {gap(byte_baseline)}), token "
+              f"perplexity {metrics.get('eval/ppl', float('nan')):.2f}; samples in "
               f"{Path(cfg['out']) / 'samples'}; model exported to {trainer.export_dir}", flush=True)
         metrics.update(unigram_bpb=baseline, byte_unigram_bpb=byte_baseline)
     return metrics

@@ -1,8 +1,8 @@
 """recipes/lm.py: the tiny preset trains a text LM from scratch (the loss falls, held-out bits/byte and generated
 continuations are logged, each evaluation's continuations written to samples/step_<N>.txt with its bits/byte and the
-unigram baseline, which matches a hand count); started from a Hugging Face GPT-2 directory (tied or untied head) its first training
-loss is HF's on the same packed batch and a few steps lower it, an untied head trains apart from the table, the
-export goes back to HF with the same logits and `omni generate` runs on it; a bad init is one line."""
+unigram baseline, which matches a hand count); started from a Hugging Face GPT-2 directory (tied or untied head) its
+first training loss is HF's on the same packed batch and a few steps lower it, an untied head trains apart from the
+table, the export goes back to HF with the same logits and `omni generate` runs on it; a bad init is one line."""
 
 from __future__ import annotations
 
