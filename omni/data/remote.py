@@ -234,6 +234,19 @@ def _fsspec_fs(url: str, storage_options: dict[str, Any]) -> tuple[Any, str]:
     return fsspec.core.url_to_fs(url, **storage_options)
 
 
+def _refused(exc: BaseException) -> bool:
+    """A refused credential from an fsspec back end: s3fs raises PermissionError; gcsfs raises OSError("Forbidden:
+    ...") for HTTP 403 (the test gcsfs itself makes) and an HttpError with ``code`` 401."""
+    return (isinstance(exc, PermissionError) or getattr(exc, "code", None) in (401, 403)
+            or (isinstance(exc, OSError) and str(exc).startswith("Forbidden")))
+
+
+def _reason(exc: BaseException) -> str:
+    """The server's words on one line: gcsfs puts the request URL on a first line and the message on the next."""
+    head, _, rest = str(exc).partition("\n")
+    return " ".join(rest.split()) or " ".join(head.split())
+
+
 def _fsspec_once(url: str, sink: _Sink, options: RemoteOptions) -> None:
     """One object-store read into ``sink`` (from the start: object stores are read whole)."""
     sink.restart()
@@ -250,14 +263,14 @@ def _fsspec_once(url: str, sink: _Sink, options: RemoteOptions) -> None:
         raise
     except FileNotFoundError:
         raise DatasetError(f"{url}: not found") from None
-    except PermissionError as exc:
-        raise DatasetError(f"{url}: access refused ({exc}): check the credentials") from None
     except Exception as exc:
+        if _refused(exc):
+            raise DatasetError(f"{url}: access refused ({_reason(exc)}): check the credentials") from None
         if "Credentials" in type(exc).__name__:  # botocore's NoCredentialsError / PartialCredentialsError
-            raise DatasetError(f"{url}: no usable credentials ({exc}): set AWS_ACCESS_KEY_ID and "
+            raise DatasetError(f"{url}: no usable credentials ({_reason(exc)}): set AWS_ACCESS_KEY_ID and "
                                "AWS_SECRET_ACCESS_KEY, a profile, or storage options") from None
         # OSError, and back-end specific network errors (aiohttp, botocore): worth a retry
-        raise _Transient(f"{type(exc).__name__}: {exc}") from None
+        raise _Transient(f"{type(exc).__name__}: {' '.join(str(exc).split())}") from None
     if size is not None and sink.size != size:
         raise _Transient(f"read {sink.size} of {size} bytes")
 
