@@ -42,9 +42,10 @@ import copy
 import math
 import time
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
@@ -94,9 +95,9 @@ PRESETS: dict[str, dict[str, Any]] = {
     # The CPU default (no CUDA): a width-256, 4-layer GPT on paragraph pieces of 128 tokens, 500 steps of 8 x 256
     # tokens (~1.1 epochs), bf16 autocast (1.4x the fp32 step on an AVX-512 BF16 CPU). Measured (2026-11-27, 2-core
     # EPYC): held out 1.68 bits/byte vs 2.08 for the token unigram, 401 CPU-s in all (~4 min on 2 idle cores).
-    "cpu": dict(out="runs/lm-cpu", trunk="tiny", trunk_overrides=dict(d_model=256, n_layers=4, n_heads=4), context=128,
-                row_length=256, rows=8, steps=500, lr=4e-3, warmup_steps=30, eval_every=100, checkpoint_every=0,
-                log_every=25, mixed_precision="bf16", samples=3),
+    "cpu": dict(out="runs/lm-cpu", trunk="tiny", trunk_overrides={"d_model": 256, "n_layers": 4, "n_heads": 4},
+                context=128, row_length=256, rows=8, steps=500, lr=4e-3, warmup_steps=30, eval_every=100,
+                checkpoint_every=0, log_every=25, mixed_precision="bf16", samples=3),
     # From scratch on one GPU: a width-384 GPT on the corpus, 512-token documents.
     "small": dict(trunk="S", context=512, row_length=2048, rows=16, steps=5000, lr=1e-3, compile=True),
     # Fine-tune a GPT-2 (--set init=...) on one GPU: its 1024 positions, a small lr, light weight decay.
@@ -166,8 +167,8 @@ def samples_text(notes: Sequence[Any], step: int, steps: int, bpb: float | None,
     """samples/step_<N>.txt: a header with the step's held-out bits/byte and the baseline, then each held-out
     opening in [brackets] followed by the model's continuation (the notes' Markdown is **opening**continuation)."""
     scored = f"held-out {bpb:.4f} bits/byte, " if bpb is not None else ""
-    lines = [f"step {step} of {steps}: {scored}unigram baseline {baseline:.4f} bits/byte. Continuations of held-out "
-             "openings (the opening in [brackets]; sampled at temperature 0.8, top-k 40, seed 0):", ""]
+    lines = [(f"step {step} of {steps}: {scored}unigram baseline {baseline:.4f} bits/byte. Continuations of held-out "
+              "openings (the opening in [brackets]; sampled at temperature 0.8, top-k 40, seed 0):"), ""]
     for note in notes:
         text = note.text
         end = text.find("**", 2) if text.startswith("**") else -1
