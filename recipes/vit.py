@@ -43,7 +43,7 @@ from omni.init import read_init
 from omni.tokenizers.image import ImageTokenizer
 from omni.train import Trainer, process_state, unwrap
 from omni.trunk import preset
-from omni.vision import BUILDER, BatchAugment, ImageClassifier, adapt_classifier, image_domain, mixup_cutmix
+from omni.vision import BUILDER, BatchAugment, ConvStem, ImageClassifier, adapt_classifier, image_domain, mixup_cutmix
 
 # ---------------------------------------------------------------------------------------------------
 # Config. Every entry can be overridden with --set key=value.
@@ -60,8 +60,9 @@ COMMON = dict(
     trunk_overrides=Key({}, check=sets_trunk(max_positions=("image_size // patch",
                                                             lambda c: c["image_size"] // c["patch"]))),
     stem=Key(None, (list, None), NON_EMPTY, each=Key(type=int, check=at_least(1)),
-             help="channels of a convolutional stem that makes the tokens from the whole image (3x3 convolutions, "
-                  "stride 1 then 2, pooled onto the patch grid; omni.vision.ConvStem); None: patches projected"),
+             help="channels of a convolutional stem that makes the tokens from the whole image (3x3 convolutions + "
+                  "BatchNorm, stride 1 then 2, pooled onto the patch grid; omni.vision.ConvStem); None: patches "
+                  "projected"),
     positions="learned", pool=Key("mean", check=one_of("mean", "cls")),
     batch_size=256, epochs=Key(10, (float, None), POSITIVE, "training epochs (unless steps is set)"),
     steps=Key(None, (int, None), help="optimizer steps (None: epochs x steps per epoch)"), lr=1e-3,
@@ -108,9 +109,11 @@ def parse_args(argv=None) -> dict:
     if cfg["init"] is None and cfg["image_size"] % cfg["patch"]:  # an init brings its own patch (checked in main)
         ap.error(f"image_size {cfg['image_size']} must be a multiple of patch {cfg['patch']}: images are cut into "
                  "patch x patch squares")
-    if cfg["stem"] and 2 ** (len(cfg["stem"]) - 1) > cfg["patch"]:
-        ap.error(f"stem {cfg['stem']}: its convolutions after the first halve the image, at most patch {cfg['patch']} "
-                 f"times in all: at most {cfg['patch'].bit_length()} entries")
+    if cfg["stem"]:
+        try:
+            ConvStem(cfg["channels"], cfg["stem"], cfg["patch"]).check_size(cfg["image_size"], cfg["image_size"])
+        except ValueError as exc:
+            ap.error(str(exc))
     if cfg["stem"] and cfg["init"]:
         ap.error("init brings its own architecture: set stem or init, not both")
     if cfg["resize"] is not None and cfg["resize"] < cfg["image_size"]:
@@ -234,6 +237,10 @@ def main(argv=None) -> dict:
         trunk = preset(cfg["trunk"], positions=cfg["positions"], max_positions=cfg["image_size"] // cfg["patch"],
                        **cfg["trunk_overrides"])
         model = ImageClassifier(image, trunk, n_classes, pool=cfg["pool"], stem=cfg["stem"])
+    if getattr(model, "stem", None) is not None and state.num_processes > 1 and state.device.type == "cuda":
+        # the stem's BatchNorm then normalises over the global batch, as one process would (SyncBatchNorm needs
+        # CUDA; CPU processes normalise over their own share; the state dict keys are the same either way)
+        model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
     augment = BatchAugment(pad=cfg["pad"], flip=cfg["flip"], erase_prob=cfg["erase_prob"])
 
     def loss_fn(model, batch):

@@ -55,11 +55,14 @@ def test_one_image_predicts_as_in_a_batch():
 
 
 def test_other_image_sizes_keep_the_patch_grid():
-    model = classifier()
-    stem = model.stem
-    for size in (28, 56, 35):
+    stem = classifier().stem  # [8, 16, 16]: two stride-2 convolutions, 28 -> 14 -> 7, pooled onto 4 x 4
+    for size in (28, 56, 35, 21):
         out = stem(torch.randn(2, 1, size, size))
         assert out.shape == (2, (size // 7) ** 2, 16)
+    four = ConvStem(1, [8, 8, 8, 8], 7)  # 28 -> 14 -> 7 -> 4: the grid itself, no pooling
+    assert four(torch.randn(1, 1, 28, 28)).shape == (1, 16, 8)
+    with pytest.raises(ValueError, match=r"reduce 56 pixels to 7, fewer than the 8 patches of 7 pixels"):
+        four(torch.randn(1, 1, 56, 56))
 
 
 def test_segment_path_and_attention_map():
@@ -97,8 +100,8 @@ def test_peer_vits_refuse_a_stem():
 
 
 def test_stem_shape_is_checked():
-    with pytest.raises(ValueError, match="halve the image 3 times, more than patch size 4"):
-        ConvStem(1, [8, 8, 8, 8], 4)
     with pytest.raises(ValueError, match="positive channel counts"):
         ConvStem(1, [], 4)
-    ConvStem(1, [8, 8, 8], 4)  # 28 -> 14 -> 7: the 7 x 7 patch grid
+    with pytest.raises(ValueError, match="positive channel counts"):
+        ConvStem(1, [8, 0], 4)
+    assert [ConvStem(1, [8] * k, 7).map_size(28) for k in (1, 2, 3, 4, 5)] == [28, 14, 7, 4, 2]

@@ -279,7 +279,8 @@ def test_a_run_killed_before_its_results_reports_them_on_a_rerun(dataset, tmp_pa
     (["image_size=30"], "image_size 30 must be a multiple of patch 7"),
     (["patch=5"], "image_size 28 must be a multiple of patch 5"),
     (["image_size=32", "patch=4", "resize=16"], "resize 16 must be >= image_size 32"),
-    (["stem=[8,8,8,8]"], "stem [8, 8, 8, 8]: its convolutions after the first halve the image, at most patch 7 times"),
+    (["stem=[8,8,8,8,8]"], "stem [8, 8, 8, 8, 8]: its 4 stride-2 convolutions reduce 28 pixels to 2, fewer than the "
+                           "4 patches of 7 pixels"),
     (["stem=[]"], "stem"),
     (["stem=[8,0]"], "stem"),
     (["stem=[8]", "init=runs/x"], "init brings its own architecture: set stem or init, not both"),
