@@ -121,8 +121,8 @@ PRESETS: dict[str, dict] = {
     # tied 8k-token embedding), on 6,000 synthesised sentences of 3-15 words, audio tokens at 33 Hz (stride 3: a
     # third fewer encoder tokens than 50 Hz, still more than the ~19 characters/s CTC must emit at eSpeak's fastest
     # rate). 1,600 steps of batch 16 at lr 2e-3 (2026-11-27, shared 2-core EPYC): CTC head 19.0% CER on the 200
-    # held-out sentences (36.7 / 27.7 / 21.3% at steps 400 / 800 / 1200), decoder 72.6% (a constant training
-    # sentence: 77.1%); 772 s of one-thread CPU for the whole run, data build included. On the CPU the CTC head
+    # held-out sentences (36.7 / 27.7 / 21.3% at steps 400 / 800 / 1200; seed 1: 19.5%), decoder 72.6% (a
+    # constant training sentence: 77.1%); 772 s of one-thread CPU for the whole run, data build included. On the CPU the CTC head
     # learns to transcribe long before the decoder does, so the result line gives its CER first.
     "cpu": dict(data="data/speech-synth-cpu", build=dict(train=6000, test=200, max_words=15), out="runs/whisper-cpu",
                 trunk="tiny", trunk_overrides=dict(d_model=128, n_layers=3), audio_stride=3, ctc_weight=0.5,
