@@ -82,10 +82,12 @@ PRESETS: dict[str, dict] = {
     "tiny": dict(trunk="tiny", patch=7, batch_size=64, steps=30, epochs=None, erase_prob=0.0, out="runs/vit-tiny",
                  warmup_epochs=0.1, lr=3e-3,
                  eval_every_epochs=0, checkpoint_every_epochs=0, limit_train=2048, limit_eval=512),
-    # Fashion-MNIST on a 2-core CPU in about ten minutes.
+    # Fashion-MNIST on a 2-core CPU in about six minutes: a convolutional stem (3x3 convs + BatchNorm, 28 -> 14 -> 7
+    # -> 4) makes the 4x4 tokens, the hybrid ViT. At equal CPU time the plain 7-px patch projection ends lower
+    # (87.9% after 8 epochs against 90.1% after 5; GroupNorm in the stem 3 points below BatchNorm: results.md).
     "fmnist-cpu": dict(trunk="tiny", trunk_overrides=dict(d_model=128, n_layers=4, n_heads=4), patch=7,
-                       batch_size=128, epochs=8, lr=2e-3, warmup_epochs=0.5, erase_prob=0.0, pad=1,
-                       eval_every_epochs=1.0),
+                       stem=[16, 32, 64, 64], batch_size=128, epochs=5, lr=2e-3, warmup_epochs=0.5, erase_prob=0.0,
+                       pad=1, eval_every_epochs=1.0),
     # Fashion-MNIST on one H100: small ViT, patch 4 (7x7 tokens), strong augmentation, many epochs.
     "fmnist": dict(trunk="S", trunk_overrides=dict(d_model=256, n_layers=8, n_heads=8), patch=4, batch_size=512,
                    epochs=150, lr=2e-3, warmup_epochs=5, weight_decay=0.05, label_smoothing=0.1, mixup=0.0,
