@@ -51,6 +51,7 @@ from omni.scripts import without_script_folder
 
 sys.path[:] = without_script_folder(sys.path, __file__)  # first: recipes/whisper.py must not hide openai-whisper
 
+import hashlib
 import json
 import math
 import time
@@ -64,7 +65,8 @@ from rapidfuzz.process import cdist
 from omni.asr_text import normalize_text
 from omni.config import POSITIVE, Key, at_least, keywords_of, one_of
 from omni.recipe_runtime import check_corpus, rank_zero_first, recipe_config, recipe_parser, run_recipe, train_config
-from omni.data.builders_speech import build_speech_synth
+from omni.data.builders_speech import build_speech_synth, load_paragraphs
+from omni.data.speech import extract_sentences
 from omni.data.clips import AUDIO_FIELDS, DecodeClip
 from omni.export import get_builder
 from omni.files import write_atomic
@@ -173,14 +175,31 @@ def ensure_data(cfg: dict, rank: int, world: int) -> Path | str:
 
 
 def synthesise(cfg: dict, data: Path) -> None:
-    """Synthesise the speech dataset in ``data`` unless it is there."""
+    """Synthesise the speech dataset in ``data`` unless it is there. One that omni synthesised from another corpus
+    than ``text`` names is refused in one line (it would train on the old sentences without a word); any other
+    dataset already in ``data`` (LibriSpeech, your own) is read as it is."""
     if (data / "manifest.json").is_file():
+        check_synthesised_corpus(read_manifest(data), cfg["text"], data)
         return
     build = {"text": cfg["text"], "seed": cfg["seed"], **cfg["build"]}
     check_corpus(build["text"])
     require("espeakng_loader")
     print(f"synthesising speech shards in {data} ...", flush=True)
     build_speech_synth(data, **build)
+
+
+def check_synthesised_corpus(manifest: dict, text: list[str] | None, data: Path) -> None:
+    """ValueError unless a speech-synth dataset was synthesised from the sentences ``text`` gives (None: Austen),
+    cut with the dataset's own word limits and compared by the sha256 its manifest records."""
+    source, args = manifest.get("source") or {}, manifest.get("args") or {}
+    if manifest.get("builder") != "speech-synth" or "sha256" not in source:
+        return
+    check_corpus(text)
+    paragraphs, corpus = load_paragraphs(text)
+    sentences = extract_sentences(paragraphs, args.get("min_words", 3), args.get("max_words", 25))
+    if hashlib.sha256("\n".join(sentences).encode()).hexdigest() != source["sha256"]:
+        raise ValueError(f"{data} holds speech synthesised from {source.get('corpus')!r}, not from the text this run "
+                         f"names ({corpus}): remove {data} to synthesise it again, or set data= to another folder")
 
 
 def choose_splits(cfg: dict, data: Path, splits: dict) -> tuple[str, str | None]:

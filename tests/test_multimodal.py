@@ -233,7 +233,7 @@ def test_tiny_preset_trains_every_task_with_per_task_metrics(cache, tmp_path, ca
     # the run's time split: data build, training, task metrics (per task), baselines, and their total
     tm = results["time"]
     assert set(tm["per_task"]) == set(TASKS) and tm["task_metrics"] == pytest.approx(sum(tm["per_task"].values()), abs=0.2)
-    assert min(tm["data_build"], tm["training"], tm["baselines"]) > 0
+    assert tm["training"] > 0 and min(tm["data_build"], tm["baselines"]) >= 0  # rounded: 0.0 when fast
     assert tm["total"] == pytest.approx(tm["data_build"] + tm["training"] + tm["task_metrics"] + tm["baselines"], abs=0.5)
     assert any(line.startswith("time: data build ") for line in printed)
     # the unigram counts the tokens LMTask.evaluate predicts: bits/byte = log2(ppl) x tokens / bytes

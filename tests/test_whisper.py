@@ -276,7 +276,7 @@ def test_recipe_tiny_smoke(tmp_path, capsys):
     # the result: both CERs, the decoder's first (the tiny preset's report), then the trivial transcribers'
     result = json.loads((tmp_path / "run" / "eval.json").read_text())
     assert result["baseline/empty_cer"] == 1.0 and 0.0 < result["baseline/constant_cer"] <= 1.5
-    assert result["eval/cer"] == metrics["eval/cer"] and result["data_seconds"] > 0
+    assert result["eval/cer"] == metrics["eval/cer"] and result["data_seconds"] >= 0  # 0.0 when the data was there
     line = capsys.readouterr().out.strip().splitlines()[-1]
     assert line.startswith(f"test CER: decoder (greedy) {100 * metrics['eval/cer']:.1f}%, CTC head (best path) "
                            f"{100 * metrics['eval/ctc_cer']:.1f}%; test WER (decoder) ")

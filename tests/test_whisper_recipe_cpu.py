@@ -65,3 +65,30 @@ def test_samples_file_has_one_clip_a_line(recipe, tmp_path):
     assert path == tmp_path / "samples" / "step_7.tsv"
     assert path.read_text() == "key\treference\tctc\tdecoder\nk0\ta b\ta b\t\nk1\ttwo lines\ttwo lines\tx\n"
     assert [p.name for p in (tmp_path / "samples").iterdir()] == ["step_7.tsv"]  # no temporary left behind
+
+
+def test_a_synthesised_dataset_from_another_corpus_is_refused(recipe, tmp_path):
+    """Before, a data folder synthesised from one corpus was trained on whatever text= said, without a word."""
+    import hashlib
+    import json
+
+    from omni.data.builders_speech import load_paragraphs
+    from omni.data.speech import extract_sentences
+
+    first, second = tmp_path / "first.txt", tmp_path / "second.txt"
+    first.write_text("The cat sat on the mat today. A dog ran in the park at noon. Rain fell over the quiet town.\n")
+    second.write_text("Ships sail across the wide grey sea. Birds sing in the early light of spring.\n")
+    sentences = extract_sentences(load_paragraphs([str(first)])[0], 3, 25)
+    data = tmp_path / "speech"
+    data.mkdir()
+    (data / "manifest.json").write_text(json.dumps({
+        "format_version": 1, "builder": "speech-synth", "splits": {},
+        "args": {"min_words": 3, "max_words": 25},
+        "source": {"corpus": "first.txt", "sentences": len(sentences),
+                   "sha256": hashlib.sha256("\n".join(sentences).encode()).hexdigest()}}))
+    recipe.check_synthesised_corpus(json.loads((data / "manifest.json").read_text()), [str(first)], data)  # same
+    with pytest.raises(ValueError, match=r"holds speech synthesised from 'first.txt', not from the text this run "
+                                         r"names \(second.txt\): remove"):
+        recipe.check_synthesised_corpus(json.loads((data / "manifest.json").read_text()), [str(second)], data)
+    other = {"builder": "librispeech", "splits": {}, "source": {"sha256": "x"}}
+    recipe.check_synthesised_corpus(other, [str(second)], data)  # not synthesised: read as it is

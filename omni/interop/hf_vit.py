@@ -275,7 +275,7 @@ def to_hf(config: Mapping[str, Any], state_dict: Mapping[str, Tensor], image: Im
         raise ValueError(f"HF's ViT is an image classifier; the export's builder is {config.get('builder')!r}")
     trunk, head = TrunkConfig(**config["trunk"]), head_options(config)
     problems = {
-        f"a convolutional stem {config['stem']} (HF's ViT projects each patch)": bool(config.get("stem")),
+        f"a convolutional stem {config.get('stem')} (HF's ViT projects each patch)": bool(config.get("stem")),
         f"positions {trunk.positions!r} (HF's ViT has one learned table: 'learned_1d')":
             trunk.positions != "learned_1d",
         f"{trunk.norm}, bias={trunk.bias}, n_kv_heads={trunk.n_kv_heads}, cross_attention={trunk.cross_attention} "

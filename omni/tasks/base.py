@@ -187,7 +187,8 @@ class NextTextTokenTask(Task):
              index: int) -> tuple[Tensor, dict[str, Tensor]]:
         targets = batch.targets["text"]
         mine = (batch.token_task("text") == index) & (targets != IGNORE_INDEX)
-        if not torch.compiler.is_compiling():
+        capturing = hidden.is_cuda and torch.cuda.is_current_stream_capturing()  # a CUDA graph: static shapes too
+        if not torch.compiler.is_compiling() and not capturing:
             # Eager: the head only on this task's targets. Its vocabulary-wide matmul and log-softmax are the
             # largest cost of a CPU step, and every text task's head would otherwise run on every text token
             # (asr + text: 29% more tokens/s on the CPU multimodal presets).
