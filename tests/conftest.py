@@ -72,6 +72,17 @@ class TinyCorpora:
         return [str(p) for p in sorted(self.text.glob("*.txt"))]
 
 
+def load_recipe(name: str, module_name: str):
+    """recipes/<name>.py imported as module ``module_name`` (a recipe is a script, not a package module)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(module_name, Path(__file__).resolve().parents[1] / "recipes"
+                                                  / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def write_idx_gz(path: Path, array: np.ndarray) -> None:
     """An unsigned-byte IDX file, gzipped, as Fashion-MNIST ships it."""
     header = struct.pack(">HBB", 0, 0x08, array.ndim) + struct.pack(f">{array.ndim}I", *array.shape)

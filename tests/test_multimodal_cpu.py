@@ -4,12 +4,11 @@ row's chance / baseline (majority class, another sentence's CER, a unigram LM), 
 
 from __future__ import annotations
 
-import importlib.util
 import math
 from collections import Counter
-from pathlib import Path
 
 import pytest
+from conftest import load_recipe
 import torch
 
 from omni.asr_text import error_rates
@@ -20,15 +19,11 @@ from omni.tokenizers.audio import AudioTokenizer
 from omni.tokenizers.image import ImageTokenizer
 from omni.tokenizers.text import TextTokenizer
 
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def recipe():
-    spec = importlib.util.spec_from_file_location("multimodal_cpu_recipe", ROOT / "recipes" / "multimodal.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_recipe("multimodal", "multimodal_cpu_recipe")
 
 
 def test_the_cpu_default_is_chosen_without_cuda_and_trains_all_four_tasks(recipe, monkeypatch):

@@ -20,10 +20,11 @@ import urllib.parse
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-import numpy as np
 import pytest
+from conftest import load_recipe
+from test_data_remote import collate, decode_sample, epoch  # the same content-not-URL view of a sample
 
-from omni.data.reader import ShardLoader, decode_image, index_shard
+from omni.data.reader import ShardLoader, index_shard
 from omni.data.remote import RemoteOptions, dataset_source
 from omni.data.shards import DatasetError, read_manifest
 
@@ -31,21 +32,6 @@ pytest.importorskip("gcsfs", reason="gcsfs is not installed (pip install -e \".[
 
 SHARD_SIZE = 200  # 1000 train samples of tiny_corpora's Fashion-MNIST -> 5 shards of 200
 BUCKET = "omni-shards"
-
-
-# Module-level so DataLoader workers can use them under any start method.
-def decode_sample(sample: dict) -> tuple[str, int, int]:
-    """(key, label, pixel sum): the content, not the URL it came from."""
-    image = np.asarray(decode_image(sample["png"]))
-    return sample["__key__"], int(sample["cls"]), int(image.sum())
-
-
-def collate(values: list) -> list:
-    return list(values)
-
-
-def epoch(loader: ShardLoader) -> list[list[tuple[str, int, int]]]:
-    return [list(b) for b in loader]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -309,17 +295,12 @@ def test_brace_pattern_and_storage_options_give_the_local_batches(site, gcs, tmp
 def test_recipes_read_a_gs_dataset_through_dataset_source(site, gcs, tmp_path, monkeypatch):
     """recipes/vit.py's own data path (``--data gs://...`` -> dataset_source -> read_manifest -> ShardLoader, default
     RemoteOptions: the cache from $OMNI_SHARD_CACHE) gives the tensors the local folder gives."""
-    import importlib.util
-
     import torch
 
     assert dataset_source(f"gs://{BUCKET}/fmnist") == f"gs://{BUCKET}/fmnist"  # a URL stays a string, not a Path
     assert read_manifest(dataset_source(f"gs://{BUCKET}/fmnist"), kind="images")["builder"] == "fashion-mnist"
     monkeypatch.setenv("OMNI_SHARD_CACHE", str(tmp_path / "cache"))
-    root = Path(__file__).resolve().parents[1]
-    spec = importlib.util.spec_from_file_location("vit_recipe_gcs", root / "recipes" / "vit.py")
-    vit = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(vit)
+    vit = load_recipe("vit", "vit_recipe_gcs")
     got = {}
     for name, data in (("gs", f"gs://{BUCKET}/fmnist"), ("local", str(site / "ds"))):
         cfg = vit.parse_args(["--preset", "tiny", "--data", data, "--set", "workers=0"])

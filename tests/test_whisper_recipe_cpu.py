@@ -5,22 +5,17 @@ holds. (The recipe end to end, samples/ included: tests/test_whisper.py::test_re
 
 from __future__ import annotations
 
-import importlib.util
 import math
-from pathlib import Path
 
 import pytest
+from conftest import load_recipe
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def recipe():
-    spec = importlib.util.spec_from_file_location("whisper_recipe_cpu", ROOT / "recipes" / "whisper.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_recipe("whisper", "whisper_recipe_cpu")
 
 
 def test_default_preset_is_cpu_without_cuda_and_base_with_it(recipe, monkeypatch):
