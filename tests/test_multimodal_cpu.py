@@ -8,8 +8,8 @@ import math
 from collections import Counter
 
 import pytest
-from conftest import load_recipe
 import torch
+from conftest import load_recipe
 
 from omni.asr_text import error_rates
 from omni.progress import WIDE, metric_lines

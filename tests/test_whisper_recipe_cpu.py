@@ -8,8 +8,8 @@ from __future__ import annotations
 import math
 
 import pytest
-from conftest import load_recipe
 import torch
+from conftest import load_recipe
 
 
 
