@@ -55,7 +55,7 @@ class Pattern:
     kind = ""
 
     def __or__(self, other: "Pattern") -> "Any_":
-        return Any_(tuple(_parts(self)) + tuple(_parts(other)))
+        return Any_(tuple(parts(self)) + tuple(parts(other)))
 
     def to_dict(self) -> dict:
         return {"kind": self.kind, **asdict(self)}  # type: ignore[call-overload]
@@ -104,6 +104,10 @@ class Dilated(Pattern):
         _count("dilated dilation", self.dilation, 2)
         _count("dilated before", self.before, 0, none_ok=True)
         _count("dilated after", self.after, 0, none_ok=True)
+        short = [n for n in (self.before, self.after) if n is not None and n < self.dilation]
+        if len(short) == 2:
+            raise ValueError(f"attention pattern: a dilated reach of before={self.before}, after={self.after} under its "
+                             f"dilation {self.dilation} lets a token see only itself")
 
 
 @dataclass(frozen=True)
@@ -145,7 +149,8 @@ class Any_(Pattern):
         return {"kind": "any", "of": [p.to_dict() for p in self.parts]}
 
 
-def _parts(p: Pattern) -> list[Pattern]:
+def parts(p: Pattern) -> list[Pattern]:
+    """The rules of ``p`` (its parts for ``a | b``, else ``[p]``)."""
     return list(p.parts) if isinstance(p, Any_) else [p]
 
 
@@ -174,7 +179,7 @@ def pattern_from_dict(d: Mapping[str, Any]) -> Pattern:
 
 def sees_itself(p: Pattern) -> bool:
     """Whether the rule lets every token see itself (else a query may be left with no key)."""
-    return any(not isinstance(q, Global) for q in _parts(p))
+    return any(not isinstance(q, Global) for q in parts(p))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -252,7 +257,7 @@ def lower(p: Pattern | None) -> list[int]:
     if p is None:
         out[0] = 1
         return out
-    for part in _parts(p):
+    for part in parts(p):
         reach = lambda n: UNBOUNDED if n is None else n  # noqa: E731
         if isinstance(part, Full):
             out[0] = 1

@@ -35,6 +35,8 @@ from dataclasses import dataclass, field, replace
 from types import UnionType
 from typing import Any, Callable, Iterable, Mapping
 
+from omni.attention_patterns import Global, Window2D, schedule_from_config
+from omni.attention_patterns import parts as pattern_parts
 from omni.trunk import PRESETS as TRUNKS
 from omni.trunk import TrunkConfig
 
@@ -56,21 +58,29 @@ class Check:
     entries: Mapping[str, "Key"] | None = field(default=None, compare=False)
 
 
+Derived = tuple[str, Callable[[Mapping[str, Any]], Any]]  # (how it reads, cfg -> value)
+
+
 @dataclass(frozen=True)
 class SetsTrunk(Check):
     """A ``trunk_overrides`` check that knows the TrunkConfig fields the recipe derives from its other entries
-    (``derive``: field -> (how it reads, cfg -> value)), so ``check_trunk`` sizes the trunk the recipe builds."""
+    (``derive``: field -> (how it reads, cfg -> value)), so ``check_trunk`` sizes the trunk the recipe builds,
+    and the recipe's token layout, so it refuses attention patterns the tokens cannot take (``grid``: the
+    tokens lie on a 2-D grid, as image patches; ``longest``: the most tokens one segment holds)."""
 
-    derive: Mapping[str, tuple[str, Callable[[Mapping[str, Any]], Any]]] = field(default_factory=dict, compare=False)
+    derive: Mapping[str, Derived] = field(default_factory=dict, compare=False)
+    grid: bool = field(default=False, compare=False)
+    longest: Derived | None = field(default=None, compare=False)
 
 
-def sets_trunk(**fields: tuple[str, Callable[[Mapping[str, Any]], Any]]) -> SetsTrunk:
+def sets_trunk(*, grid: bool = False, longest: Derived | None = None, **fields: Derived) -> SetsTrunk:
     """The check of a recipe's ``trunk_overrides`` when the recipe derives these TrunkConfig fields itself:
     ``sets_trunk(max_positions=("image_size // patch", lambda c: c["image_size"] // c["patch"]))``. An
-    override of one would be passed twice; the derived value counts in the trunk's memory estimate."""
+    override of one would be passed twice; the derived value counts in the trunk's memory estimate. ``grid``
+    and ``longest`` describe the recipe's tokens for the attention-pattern checks (``check_attention``)."""
     why = "; ".join(f"{n} comes from {how}" for n, (how, _) in fields.items())
-    return SetsTrunk(lambda v: not set(v) & set(fields), f"without {', '.join(fields)}: {why}",
-                     derive=dict(fields))
+    return SetsTrunk(lambda v: not set(v) & set(fields), f"without {', '.join(fields)}: {why}" if fields else "a dict",
+                     derive=dict(fields), grid=grid, longest=longest)
 
 
 def keywords_of(fn: Callable[..., Any], skip: int = 1) -> Check:
@@ -460,6 +470,10 @@ def check_trunk(cfg: Mapping[str, Any], keys: Mapping[str, Key] = RULES) -> Trun
             raise ValueError(f"mlp_ratio {trunk.mlp_ratio} x d_model {trunk.d_model} leaves the MLP no hidden unit")
     except (ValueError, TypeError) as exc:
         raise ValueError(f"{made}: {exc}") from None
+    if isinstance(check, SetsTrunk):
+        check_attention(trunk, cfg, check)
+    elif trunk.attention is not None:  # a recipe that declares no layout: its tokens are 1-D, lengths its own
+        check_attention(trunk, cfg, SetsTrunk(lambda v: True, ""))
     n = trunk_parameters(trunk)
     need, have = TRAIN_BYTES_PER_PARAMETER * n, machine_memory()
     if have and need > have:
@@ -468,6 +482,29 @@ def check_trunk(cfg: Mapping[str, Any], keys: Mapping[str, Key] = RULES) -> Trun
                          f"({_size(4 * n)} of fp32 weights, as much again for gradients and twice for AdamW's "
                          f"moments): more than this machine's {_size(have)} of memory")
     return trunk
+
+
+def check_attention(trunk: TrunkConfig, cfg: Mapping[str, Any], layout: SetsTrunk) -> None:
+    """ValueError in one line when ``trunk_overrides.attention`` asks what the recipe's tokens cannot take: a 2-D
+    window where tokens have no grid (text, audio frames, trajectories: their (row, col) positions are (p, p),
+    so the "2-D" window would silently be a 1-D one), or more global tokens than the longest segment holds (every
+    token global: full attention at a sparse pattern's cost)."""
+    if trunk.attention is None:
+        return
+    try:
+        longest = None if layout.longest is None else (int(layout.longest[1](cfg)), layout.longest[0])
+    except (KeyError, TypeError, ArithmeticError):  # an entry it reads is None: nothing to compare with
+        longest = None
+    for i, pattern in enumerate(schedule_from_config(trunk.attention, trunk.n_layers).layers):
+        for part in [] if pattern is None else pattern_parts(pattern):
+            if isinstance(part, Window2D) and not layout.grid:
+                raise ValueError(f"trunk_overrides.attention: layer {i}'s window2d needs every segment's tokens on a "
+                                 "2-D grid (image patches); this recipe's are sequences (text, audio or steps): "
+                                 "use {'kind': 'window', 'before': n, 'after': n}")
+            if isinstance(part, Global) and longest is not None and part.first >= longest[0]:
+                raise ValueError(f"trunk_overrides.attention: layer {i}'s global first={part.first} covers every "
+                                 f"token of a segment here (at most {longest[0]}, from {longest[1]}): give fewer "
+                                 "global tokens, or full attention (null)")
 
 
 # ---------------------------------------------------------------------------------------------------

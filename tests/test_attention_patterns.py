@@ -174,6 +174,8 @@ def test_round_trip_and_old_configs():
     ({"kind": "window", "before": 2.5, "after": 2}, "window before must be an integer >= 0"),
     ({"kind": "window2d", "rows": True, "cols": 2}, "window2d rows must be an integer"),
     ({"kind": "dilated", "dilation": 1}, "dilated dilation must be an integer >= 2"),
+    ({"kind": "dilated", "dilation": 4, "before": 3, "after": 0}, "a dilated reach of before=3, after=0 under its "
+                                                                  "dilation 4 lets a token see only itself"),
     ({"kind": "global", "first": 0}, "global first must be an integer >= 1"),
     ({"kind": "global", "first": 2}, "leaves a token that is not global with no key"),
     ({"kind": "ring"}, "unknown kind 'ring'"),
