@@ -6,6 +6,9 @@
     python recipes/vit.py --preset B/16 --data ... --set "trunk_overrides={'bias': False}"   # PaLM-style, 6% faster
     accelerate launch --num_processes 8 recipes/vit.py --preset B/16 --data ...
     python recipes/vit.py --preset B/16 --data ... --set init=timm/vit-b16     # fine-tune a converted timm ViT
+    python recipes/vit.py --preset B/16 --data ... --set init=timm/vit-b16 image_size=1024 resize=1024 \
+        "trunk_overrides.attention={'pattern': {'kind': 'any', 'of': [{'kind': 'window2d', 'rows': 7, 'cols': 7},
+                                                                   {'kind': 'global', 'first': 1}]}, 'full_every': 4}"
 
 --data takes a dataset directory written by `omni data fashion-mnist` or `omni data images`
 (webdataset shards + manifest.json with class names). --set key=value overrides any config entry.
@@ -14,7 +17,12 @@
 file with --set init_arch=NAME) or a Hugging Face ViT directory (ViTForImageClassification, or a ViTModel
 backbone: a classifier without classes; omni.interop). Its architecture (trunk, patch, pool, channels,
 normalisation) replaces this config's; the image size and the classes are this run's: another size resamples its
-position table, another class count gets a new head (omni.init.read_init, omni.vision.adapt_classifier).
+position table, another class count gets a new head (omni.init.read_init, omni.vision.adapt_classifier). Of
+trunk_overrides only ``attention`` applies to it: the model's attention patterns (omni.attention_patterns; without
+it a converted peer keeps full attention). At 1,024 px (4,096 patches of 16) a 2-D window on the patch grid with
+the CLS token global and every 4th layer full (ViTDet's layout) costs about a third of full attention's time
+(benchmarks/long_images.py, /work/notes/results_long_images.md); use the {'pattern': ..., 'full_every': k} form with
+init (a 'layers' list is checked against this config's trunk before the model is read).
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ from omni.scripts import without_script_folder
 
 sys.path[:] = without_script_folder(sys.path, __file__)  # first: recipes/whisper.py must not hide openai-whisper
 
+import itertools
 import math
 import time
 from pathlib import Path
@@ -43,7 +52,8 @@ from omni.init import read_init
 from omni.tokenizers.image import ImageTokenizer
 from omni.train import Trainer, process_state, unwrap
 from omni.trunk import preset
-from omni.vision import BUILDER, BatchAugment, ConvStem, ImageClassifier, adapt_classifier, image_domain, mixup_cutmix
+from omni.vision import (BUILDER, KEEP, BatchAugment, ConvStem, ImageClassifier, adapt_classifier, adapted_trunk,
+                         image_domain, mixup_cutmix)
 
 # ---------------------------------------------------------------------------------------------------
 # Config. Every entry can be overridden with --set key=value.
@@ -55,10 +65,17 @@ COMMON = dict(
     channels=Key(1, check=one_of(1, 3), help="1: grey, 3: RGB"),
     resize=Key(None, (int, None), at_least(1), "None: images already image_size; N: resize the shorter side "
                                                 "to N, then crop image_size"),
+    train_crop=Key("random", check=one_of("random", "center"),
+                   help="with resize, the training crop: 'random' (random-resized crop + flip, ImageNet-style) or "
+                        "'center' (as evaluation: resize, centre crop; for framed images such as Fashion-MNIST "
+                        "upscaled)"),
     in_memory=Key(True, help="decode the whole split once into tensors (small datasets)"),
     patch=Key(4, check=at_least(1), help="patch size in pixels"), trunk="S",
     trunk_overrides=Key({}, check=sets_trunk(max_positions=("image_size // patch",
-                                                            lambda c: c["image_size"] // c["patch"]))),
+                                                            lambda c: c["image_size"] // c["patch"]),
+                                             grid=True, longest=("(image_size // patch)^2 patches + the class token",
+                                                                 lambda c: (c["image_size"] // c["patch"]) ** 2
+                                                                 + (c["pool"] == "cls")))),
     stem=Key(None, (list, None), NON_EMPTY, each=Key(type=int, check=at_least(1)),
              help="channels of a convolutional stem that makes the tokens from the whole image (3x3 convolutions + "
                   "BatchNorm, stride 1 then 2, pooled onto the patch grid; omni.vision.ConvStem); None: patches "
@@ -100,6 +117,17 @@ PRESETS: dict[str, dict] = {
 }
 
 
+MISSING = object()
+
+
+def size_error(size: int, patch: int, what: str) -> str:
+    """The one line for an image size the patch does not divide, naming the sizes that fit on either side."""
+    below, above = size // patch * patch, (size // patch + 1) * patch
+    fit = f"{below} or {above}" if below else f"{above}"
+    return (f"image_size {size} must be a multiple of {what} {patch}: images are cut into patch x patch squares "
+            f"(image_size={fit} fits)")
+
+
 def parse_args(argv=None) -> dict:
     ap = recipe_parser(__doc__, COMMON, PRESETS, "fmnist on CUDA, fmnist-cpu otherwise")
     default = "fmnist" if torch.cuda.is_available() else "fmnist-cpu"
@@ -109,8 +137,14 @@ def parse_args(argv=None) -> dict:
     if cfg["steps"] is None and cfg["epochs"] is None:
         ap.error("set steps or epochs")
     if cfg["init"] is None and cfg["image_size"] % cfg["patch"]:  # an init brings its own patch (checked in main)
-        ap.error(f"image_size {cfg['image_size']} must be a multiple of patch {cfg['patch']}: images are cut into "
-                 "patch x patch squares")
+        ap.error(size_error(cfg["image_size"], cfg["patch"], "patch"))
+    if cfg["init"]:  # the model brings its trunk: of the overrides only the attention patterns apply to it
+        preset_overrides = PRESETS[cfg["preset"]].get("trunk_overrides", {})
+        given = sorted(k for k, v in cfg["trunk_overrides"].items()
+                       if k != "attention" and preset_overrides.get(k, MISSING) != v)
+        if given:
+            ap.error(f"trunk_overrides.{given[0]}: init brings its own trunk; with init, trunk_overrides sets only "
+                     "attention (the attention patterns)")
     if cfg["stem"]:
         try:
             ConvStem(cfg["channels"], cfg["stem"], cfg["patch"]).check_size(cfg["image_size"], cfg["image_size"])
@@ -132,8 +166,8 @@ class DecodeImage:
     """Raw shard sample -> (uint8 (C, H, W), label). Picklable for data workers. Resizing / cropping
     uses torchvision v2 transforms per image (random-resized crop + flip for training)."""
 
-    def __init__(self, channels: int, image_size: int, resize: int | None, train: bool) -> None:
-        self.channels, self.image_size, self.resize, self.train = channels, image_size, resize, train
+    def __init__(self, channels: int, image_size: int, resize: int | None, train: bool, crop: str = "random") -> None:
+        self.channels, self.image_size, self.resize, self.train, self.crop = channels, image_size, resize, train, crop
         self._transform = None
 
     def transform(self):
@@ -141,7 +175,8 @@ class DecodeImage:
             from torchvision.transforms import v2
 
             self._transform = v2.Compose(
-                [v2.RandomResizedCrop(self.image_size, antialias=True), v2.RandomHorizontalFlip()] if self.train
+                [v2.RandomResizedCrop(self.image_size, antialias=True), v2.RandomHorizontalFlip()]
+                if self.train and self.crop == "random"
                 else [v2.Resize(self.resize, antialias=True), v2.CenterCrop(self.image_size)])
         return self._transform
 
@@ -188,13 +223,14 @@ def build_data(cfg: dict, rank: int, world: int, device: torch.device):
     names = manifest.get("class_names") or manifest.get("classes")
     loaders = {}
     for split, train in (("train", True), ("test" if "test" in manifest["splits"] else "val", False)):
-        decode = DecodeImage(cfg["channels"], cfg["image_size"], cfg["resize"], train)
+        decode = DecodeImage(cfg["channels"], cfg["image_size"], cfg["resize"], train, cfg["train_crop"])
         limit = cfg["limit_train" if train else "limit_eval"]
         if cfg["in_memory"]:
             once = ShardLoader(data, decode, stack, batch_size=1024, split=split, rank=0, world_size=1, shuffle=False,
                                num_workers=cfg["workers"] if device.type == "cuda" else 0,
                                max_corrupt_fraction=cfg["max_corrupt_fraction"], kind="images")
-            images, labels = materialise(once, device)
+            # with a limit, only the batches it keeps are decoded (1,024-px images are 3 MB each)
+            images, labels = materialise(itertools.islice(once, math.ceil(limit / 1024)) if limit else once, device)
             if limit:
                 images, labels = images[:limit], labels[:limit]
             loaders[split] = TensorLoader([images, labels], cfg["batch_size"], shuffle=train, seed=cfg["seed"],
@@ -221,8 +257,9 @@ def main(argv=None) -> dict:
         cfg["channels"] = source[2]["image"].channels
         patch = source[2]["image"].patch_size
         if cfg["image_size"] % patch:
-            raise ValueError(f"image_size {cfg['image_size']} must be a multiple of the patch {patch} of init "
-                             f"{cfg['init']}: images are cut into patch x patch squares")
+            raise ValueError(size_error(cfg["image_size"], patch, f"the patch of init {cfg['init']}:"))
+        attention = cfg["trunk_overrides"].get("attention", KEEP)  # absent: the source's (a converted peer: full)
+        adapted_trunk(source[0], attention)  # a schedule that does not fit its trunk: one line, before the data
     train_data, eval_data, class_names = build_data(cfg, state.process_index, state.num_processes, state.device)
     n_classes = len(class_names)
     steps_per_epoch = len(train_data)
@@ -231,7 +268,8 @@ def main(argv=None) -> dict:
 
     torch.manual_seed(cfg["seed"])
     if source is not None:
-        model = adapt_classifier(*source[:2], source[2]["image"], image_size=cfg["image_size"], n_classes=n_classes)
+        model = adapt_classifier(*source[:2], source[2]["image"], image_size=cfg["image_size"], n_classes=n_classes,
+                                 attention=attention)
         image = model.tokenizer
     else:
         image = ImageTokenizer(patch_size=cfg["patch"], channels=cfg["channels"],
