@@ -20,8 +20,9 @@ from torch import Tensor, nn
 
 from omni.export_kinds import IMAGE_CLASSIFIER
 from omni.heads import HEAD_NORM_EPS, ClassificationHead, Pool, pool_segments
+from omni.attention_patterns import LayerMasks, pattern_masks
 from omni.model import CarriedTensors
-from omni.tokenizers.image import ImagePatchEmbedder, ImageTokenizer, patchify, unpatchify
+from omni.tokenizers.image import ImagePatchEmbedder, ImageTokenizer, grid_positions, patchify, unpatchify
 from omni.trunk import Trunk, TrunkConfig
 
 BUILDER = IMAGE_CLASSIFIER  # the export kind this module builds (omni.export_kinds)
@@ -115,7 +116,21 @@ class ImageClassifier(nn.Module):
         tokens = self.stem(x) if self.stem is not None else patchify(x, self.patch_size)  # (B, n, p*p*C or c)
         grid = images.shape[-2] // self.patch_size, images.shape[-1] // self.patch_size
         positions = self.tokenizer.token_positions(grid, device=images.device)  # (n (+ 1), 2)
-        return self.trunk(self.embed(self._with_cls(tokens)), positions.expand(images.shape[0], -1, -1), mask=None)
+        return self.trunk(self.embed(self._with_cls(tokens)), positions.expand(images.shape[0], -1, -1),
+                          mask=self.pattern_mask(grid, images.shape[0], images.device))
+
+    def pattern_mask(self, grid: Sequence[int], batch: int, device: torch.device) -> LayerMasks | None:
+        """The trunk's per-layer masks for its attention patterns, laid on the (row, col) patch grid, when the tokens'
+        positions are not that grid: a tokenizer of positions "sequence" (converted timm / HF ViTs: one learned table
+        over token order) gives the trunk (i, i), on which a 2-D window would be a 1-D one. The CLS token sits at
+        (0, 0), as the "grid" layout puts it (a ``global`` part makes it see everything). None: the trunk makes its
+        masks from the positions it reads (grid tokenizers), or it has no patterns."""
+        if not self.trunk.schedule.sparse or self.tokenizer.positions != "sequence":
+            return None
+        rows_cols = grid_positions(int(grid[0]), int(grid[1]), device=device)
+        if self.cls:
+            rows_cols = torch.cat([rows_cols.new_zeros(1, 2), rows_cols])
+        return pattern_masks(self.trunk.schedule, None, rows_cols.expand(batch, -1, -1))
 
     def _with_cls(self, tokens: Tensor) -> Tensor:
         """(B, n, F) -> ImageTokenizer's layout with a CLS tokenizer: first a zero row flagged 1.0, patches 0.0."""
@@ -135,7 +150,15 @@ class ImageClassifier(nn.Module):
                 grid = self.tokenizer.grid_size(*self.tokenizer.image_size)
             patches = tokens[:, int(self.cls):, : self.tokenizer.patch_dim]  # (B, n, p*p*C) without CLS / flag
             tokens = self._with_cls(self.stem(unpatchify(patches, grid, self.patch_size)))
-        return self.trunk(self.embed(tokens), positions, mask=None)
+        mask = None
+        if self.trunk.schedule.sparse and self.tokenizer.positions == "sequence":
+            if grid is None:
+                if self.tokenizer.image_size is None:
+                    raise ValueError("a model with a 2-D attention pattern over token-order positions needs the patch "
+                                     "grid of its tokens")
+                grid = self.tokenizer.grid_size(*self.tokenizer.image_size)
+            mask = self.pattern_mask(grid, tokens.shape[0], tokens.device)
+        return self.trunk(self.embed(tokens), positions, mask=mask)
 
     def forward_tokens(self, tokens: Tensor, positions: Tensor, grid: Sequence[int] | None = None) -> Tensor:
         """Tokens (B, n, F), positions (B, n, 2) -> logits (B, classes): images of any size (prediction);
@@ -203,13 +226,32 @@ def resample_position_table(table: Tensor, old_grid: Sequence[int], new_grid: Se
     return torch.cat([table[:prefix], grid.permute(0, 2, 3, 1).reshape(-1, d).to(table.dtype)])
 
 
+KEEP = "keep"  # adapt_classifier(attention=KEEP): the source's attention patterns (a converted peer: full)
+
+
+def adapted_trunk(config: Mapping[str, Any], attention: Mapping[str, Any] | None | str = KEEP) -> TrunkConfig:
+    """The trunk of an image classifier export, with ``attention`` (a ``TrunkConfig.attention`` schedule, None: full
+    attention everywhere, KEEP: the source's; omni.attention_patterns) in place of its own; ValueError in one line
+    when the schedule does not fit the trunk (a ``layers`` list of another length)."""
+    fields = dict(config["trunk"])
+    if not (isinstance(attention, str) and attention == KEEP):
+        fields["attention"] = attention
+    try:
+        return TrunkConfig(**fields)
+    except ValueError as exc:
+        raise ValueError(f"the {fields['n_layers']}-layer trunk of the model to start from: {exc}") from None
+
+
 def adapt_classifier(config: dict[str, Any], state_dict: dict[str, Tensor], image: ImageTokenizer,
-                     image_size: int | None = None, n_classes: int | None = None) -> ImageClassifier:
+                     image_size: int | None = None, n_classes: int | None = None,
+                     attention: Mapping[str, Any] | None | str = KEEP) -> ImageClassifier:
     """An image classifier export (config, state dict, tokenizer: ``omni.interop.read_model`` reads an export or
     a peer checkpoint) as the start of a fine-tuning run on ``image_size`` images with ``n_classes`` classes.
     A new size resamples the learned 1-D position table (``resample_position_table`` by the source's rule,
-    ``position_rule``; the tokenizer keeps its crop_pct); a new class count gets a new head (zero, as any new one)."""
-    trunk, head, state = TrunkConfig(**config["trunk"]), head_options(config), dict(state_dict)
+    ``position_rule``; the tokenizer keeps its crop_pct); a new class count gets a new head (zero, as any new one).
+    ``attention``: the trunk's attention patterns (``adapted_trunk``: KEEP the source's, so a converted peer keeps
+    full attention unless a pattern is asked for; the weights are the same either way)."""
+    trunk, head, state = adapted_trunk(config, attention), head_options(config), dict(state_dict)
     if image_size is not None and image.image_size != (image_size, image_size):
         if image.image_size is None:
             raise ValueError("the tokenizer has no fixed image_size to resample positions from")

@@ -124,8 +124,20 @@ def size_error(size: int, patch: int, what: str) -> str:
     """The one line for an image size the patch does not divide, naming the sizes that fit on either side."""
     below, above = size // patch * patch, (size // patch + 1) * patch
     fit = f"{below} or {above}" if below else f"{above}"
-    return (f"image_size {size} must be a multiple of {what} {patch}: images are cut into patch x patch squares "
-            f"(image_size={fit} fits)")
+    return (f"image_size {size} must be a multiple of {what}: images are cut into patch x patch squares "
+            f"(the nearest that fit: {fit})")
+
+
+ROLLOUT_BYTES = 256 * 2 ** 20  # the most attention maps one image's rollout picture may hold
+
+
+def attention_method(model: ImageClassifier, size) -> str:
+    """"rollout" (every layer's maps, multiplied through) for the sample pictures, unless one image's maps would
+    hold more than ROLLOUT_BYTES: then "last" (one layer). A capture keeps (heads, T, T) float32 per layer:
+    4,097 tokens (1,024 px, patch 16) x 3 heads x 12 layers is 2.4 GB and 12 products of 4,097^2 matrices."""
+    tokens = (int(size[0]) // model.patch_size) * (int(size[1]) // model.patch_size) + int(model.cls)
+    cfg = model.trunk.cfg
+    return "rollout" if 4 * cfg.n_heads * tokens ** 2 * cfg.n_layers <= ROLLOUT_BYTES else "last"
 
 
 def parse_args(argv=None) -> dict:
@@ -137,7 +149,7 @@ def parse_args(argv=None) -> dict:
     if cfg["steps"] is None and cfg["epochs"] is None:
         ap.error("set steps or epochs")
     if cfg["init"] is None and cfg["image_size"] % cfg["patch"]:  # an init brings its own patch (checked in main)
-        ap.error(size_error(cfg["image_size"], cfg["patch"], "patch"))
+        ap.error(size_error(cfg["image_size"], cfg["patch"], f"patch {cfg['patch']}"))
     if cfg["init"]:  # the model brings its trunk: of the overrides only the attention patterns apply to it
         preset_overrides = PRESETS[cfg["preset"]].get("trunk_overrides", {})
         given = sorted(k for k, v in cfg["trunk_overrides"].items()
@@ -257,7 +269,7 @@ def main(argv=None) -> dict:
         cfg["channels"] = source[2]["image"].channels
         patch = source[2]["image"].patch_size
         if cfg["image_size"] % patch:
-            raise ValueError(size_error(cfg["image_size"], patch, f"the patch of init {cfg['init']}:"))
+            raise ValueError(size_error(cfg["image_size"], patch, f"the patch {patch} of init {cfg['init']}"))
         attention = cfg["trunk_overrides"].get("attention", KEEP)  # absent: the source's (a converted peer: full)
         adapted_trunk(source[0], attention)  # a schedule that does not fit its trunk: one line, before the data
     train_data, eval_data, class_names = build_data(cfg, state.process_index, state.num_processes, state.device)
@@ -311,12 +323,15 @@ def main(argv=None) -> dict:
         probs = model(shown[0]).float().softmax(-1)
         p, predicted = probs.max(-1)
         grid = image_grid(shown[0], shown[1], predicted.tolist(), class_names, probabilities=p.tolist())
-        heats = image_attention(model, shown[0][:4])  # after the grid: only when pictures are drawn
+        method = attention_method(model, shown[0].shape[-2:])
+        # after the grid (only when pictures are drawn), one image at a time: a capture holds (heads, T, T) per layer
+        heats = torch.cat([image_attention(model, image[None], method=method) for image in shown[0][:4]])
         top_p, top_c = probs[:4].topk(min(2, n_classes), -1)
         top = [list(zip(c.tolist(), q.tolist())) for c, q in zip(top_c, top_p)]
+        label = "attention rollout" if method == "rollout" else "last-layer attention"
         return [Picture("eval/predictions", grid),
                 Picture("eval/attention", attention_grid(shown[0][:4], heats, shown[1][:4], top, class_names,
-                                                         patch_size=model.patch_size))]
+                                                         patch_size=model.patch_size, label=label))]
 
     config = train_config(cfg, steps=steps, warmup_steps=every(cfg["warmup_epochs"]),
                           eval_every=every(cfg["eval_every_epochs"]),
