@@ -287,6 +287,7 @@ def test_recipe_fine_tunes_a_timm_checkpoint(tiny_corpora, tmp_path):
     assert metrics["eval/loss"] < math.log(10) - 0.3, metrics
     tuned = load_pretrained(tmp_path / "run" / "final")
     assert tuned.head.proj.out_features == 10 and tuned.tokenizer.channels == 3
+    assert tuned.trunk.cfg.attention is None  # no pattern asked for: the converted peer keeps full attention
     assert to_peer(tmp_path / "run" / "final", tmp_path / "back", "timm").is_dir()
 
 

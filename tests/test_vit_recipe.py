@@ -297,7 +297,8 @@ def test_image_size_patch_and_resize_that_disagree_are_one_line(sets, said, caps
 
 def test_an_image_size_the_init_patch_does_not_divide_is_one_line(trained, dataset, tmp_path):
     out, _ = trained  # its export cuts 28-pixel images into 7 x 7 patches
-    with pytest.raises(ValueError, match=r"image_size 30 must be a multiple of the patch 7 of init .*final"):
+    with pytest.raises(ValueError, match=r"image_size 30 must be a multiple of the patch 7 of init .*final: images are "
+                                         r"cut into patch x patch squares \(the nearest that fit: 28 or 35\)"):
         load_recipe().main(["--preset", "tiny", "--data", str(dataset[0]), "--out", str(tmp_path), "--set",
                             f"init={str(out / 'final')!r}", "image_size=30", "patch=5"])
 
