@@ -21,7 +21,7 @@ from test_vit_recipe import load_recipe
 from omni.attention_patterns import LayerMasks
 from omni.cli import main as omni_main
 from omni.export import load_pretrained
-from omni.interop import read_model
+from omni.interop import ConversionError, read_model, to_peer
 from omni.introspect import capture, image_attention
 from omni.pipelines.predict import image_classifier
 from omni.tokenizers.image import ImageTokenizer, patchify
@@ -184,6 +184,8 @@ def test_recipe_fine_tunes_at_a_larger_size_with_windows_and_predicts(peer, tmp_
     row = json.loads(capsys.readouterr().out)[0]
     assert Path(row["attention"]).is_file()  # the rollout picture over the 8 x 8 grid
     assert row["top_k"][0]["probability"] == pytest.approx(float(logits.softmax(-1).max()), abs=1e-4)
+    with pytest.raises(ConversionError, match="timm's ViT cannot hold this export: it has attention patterns"):
+        to_peer(export, tmp_path / "back", "timm")  # timm attends fully: its logits would differ
 
 
 @pytest.mark.parametrize("sets,said", [

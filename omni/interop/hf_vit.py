@@ -287,6 +287,8 @@ def to_hf(config: Mapping[str, Any], state_dict: Mapping[str, Tensor], image: Im
         "a head norm, or no final norm (HF's ViT ends on one layernorm over every token)":
             head.get("norm_eps", HEAD_NORM_EPS) is not None or not trunk.final_norm,
         "a tokenizer without a fixed square image_size": image.image_size is None or len(set(image.image_size)) > 1,
+        f"attention patterns {trunk.attention} (HF's ViT attends fully: its logits would differ)":
+            trunk.attention is not None,
     }
     why = next((what for what, bad in problems.items() if bad), None)
     if why is not None:

@@ -261,6 +261,8 @@ def _describe_export(trunk: TrunkConfig, head: Mapping[str, Any], image: ImageTo
             head_norm not in (None, trunk.norm_eps),
         f"pool {head['pool']!r} without a CLS token": head["pool"] == "cls" and not image.cls,
         "a tokenizer without a fixed square image_size": image.image_size is None or len(set(image.image_size)) > 1,
+        f"attention patterns {trunk.attention} (timm's ViT attends fully: its logits would differ)":
+            trunk.attention is not None,
     }
     why = next((what for what, bad in problems.items() if bad), None)
     if why is not None:
