@@ -5,7 +5,6 @@ under the model's attention rollout (``eval/attention``, omni.plots.attention_gr
 
 from __future__ import annotations
 
-import importlib.util
 import io
 import sys
 from pathlib import Path
@@ -16,6 +15,7 @@ import torch
 from PIL import Image
 
 from omni import plots
+from conftest import load_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).parent))
@@ -67,9 +67,7 @@ def vit_run(tmp_path_factory):
         test_images = images
     build_fashion_mnist(root / "shards", source=root / "idx", quiet=True)
     out = root / "run"
-    spec = importlib.util.spec_from_file_location("vit_recipe_attention", ROOT / "recipes" / "vit.py")
-    vit = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(vit)
+    vit = load_recipe("vit", "vit_recipe_attention")
     vit.main(["--preset", "tiny", "--data", str(root / "shards"), "--out", str(out), "--set", "progress=False",
               "workers=0", "steps=4", "batch_size=32", "limit_train=None", "limit_eval=None"])
     return out, test_images

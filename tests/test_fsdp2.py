@@ -32,6 +32,7 @@ import _fsdp2_worker as F  # noqa: E402
 from _launch import gloo_env, run_group  # noqa: E402
 from omni.export import load_pretrained, tied_names  # noqa: E402
 from omni.train import use_cpu  # noqa: E402
+from conftest import load_recipe  # noqa: E402
 
 CONFIG = str(ROOT / "recipes" / "accelerate_fsdp2.yaml")
 
@@ -150,12 +151,7 @@ def test_fsdp2_checkpoint_is_sharded_and_resumes_exactly(fsdp_run, tmp_path):
 
 
 def _load_recipe():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("multimodal_recipe_fsdp2", ROOT / "recipes" / "multimodal.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_recipe("multimodal", "multimodal_recipe_fsdp2")
 
 
 def test_multimodal_recipe_trains_under_fsdp2(tmp_path, fashion_mnist_env):

@@ -13,6 +13,7 @@ import torch
 from _interop import cli_error
 
 from omni.cli import main as omni_main
+from conftest import load_recipe
 
 transformers = pytest.importorskip("transformers")
 from transformers import ViTConfig, ViTModel  # noqa: E402
@@ -271,17 +272,11 @@ def test_a_tied_lm_head_checkpoints_without_the_shared_tensor_warning(tmp_path, 
 
 
 def test_the_multimodal_recipes_image_task_records_fashion_mnists_class_names(fashion_mnist_env, tmp_path):
-    import importlib.util
-    from pathlib import Path
-
     from omni.data.builders_vision import FASHION_MNIST_CLASSES
     from omni.multitask import MultitaskModel
     from omni.trunk import preset
 
-    spec = importlib.util.spec_from_file_location(
-        "multimodal_recipe", Path(__file__).resolve().parents[1] / "recipes" / "multimodal.py")
-    recipe = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(recipe)
+    recipe = load_recipe("multimodal", "multimodal_recipe")
     cfg = recipe.parse_args(["--preset", "tiny", "--set", f"cache={str(tmp_path)!r}", "only='image'"])
     tasks = recipe.build_tasks(cfg)
     model = MultitaskModel(tasks["train"], preset("tiny", positions="rope2d"))

@@ -13,7 +13,6 @@ tiny preset prints one table row per task; ``only`` trains one task through the 
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import os
 import shutil
@@ -32,16 +31,14 @@ sys.path.insert(0, str(ROOT))  # `omni` when run as the torchrun worker
 from omni.mixture import MixedBatch, MixtureLoader, eval_batches, pack_mixed  # noqa: E402
 from omni.multitask import MultitaskModel  # noqa: E402
 from omni.tasks import ClassifyTask, LMTask, PrefixLMTranscriber, TrajectoryPolicy, TranscribeTask  # noqa: E402
+from conftest import load_recipe  # noqa: E402
 
 MODALITIES = {"image", "audio", "text", "trajectory"}
 TASKS = ("image", "asr", "rl", "text")
 
 
-def load_recipe():
-    spec = importlib.util.spec_from_file_location("multimodal_recipe", ROOT / "recipes" / "multimodal.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def load_multimodal():
+    return load_recipe("multimodal", "multimodal_recipe")
 
 
 # conftest.py: one torch thread; no Debian data package needed: Fashion-MNIST is conftest's tiny stand-in through
@@ -61,14 +58,14 @@ def cache(fashion_mnist_env, tmp_path_factory) -> Path:
     """The tiny preset's data, built once (speech synthesised + encoded, CartPole recorded, text filtered)."""
     path = tmp_path_factory.mktemp("multimodal-cache")
     shutil.copytree(fashion_mnist_env.text, path / "corpus")
-    recipe = load_recipe()
+    recipe = load_multimodal()
     recipe.build_tasks(recipe.parse_args(["--preset", "tiny", "--set", *data_sets(path)]))
     return path
 
 
 @pytest.fixture(scope="module")
 def tiny(cache):
-    recipe = load_recipe()
+    recipe = load_multimodal()
     cfg = recipe.parse_args(["--preset", "tiny", "--set", *data_sets(cache)])
     torch.set_num_threads(1)
     model, train, evaluation, tasks = recipe.build(cfg)
@@ -192,7 +189,7 @@ def test_packed_documents_equal_each_document_alone(tiny):
 
 
 def test_tiny_preset_trains_every_task_with_per_task_metrics(cache, tmp_path, capsys):
-    recipe = load_recipe()
+    recipe = load_multimodal()
     out = tmp_path / "run"
     metrics = recipe.main(tiny_args(cache, out, "steps=60", "log_every=4", "eval_batches=2"))
     # One Markdown row per task with its held-out metric, also in results.json and TensorBoard.
@@ -413,7 +410,7 @@ def test_rl_rollouts_with_the_mixed_model(tiny):
 
 
 def test_only_trains_one_task_through_the_same_recipe(cache, tmp_path, monkeypatch):
-    recipe = load_recipe()
+    recipe = load_multimodal()
     cfg = recipe.parse_args(tiny_args(cache, tmp_path / "x", "only='rl'"))
     assert list(cfg["tasks"]) == ["rl"]
     model, train, _, _ = recipe.build(cfg)
@@ -436,7 +433,7 @@ def test_only_trains_one_task_through_the_same_recipe(cache, tmp_path, monkeypat
 
 
 def test_every_preset_parses_and_a_dotted_override_reaches_one_task(cache):
-    recipe = load_recipe()
+    recipe = load_multimodal()
     for name in recipe.PRESETS:
         cfg = recipe.parse_args(["--preset", name])
         assert cfg["tasks"] and all("loss_weight" in spec for spec in cfg["tasks"].values()), name
@@ -468,7 +465,7 @@ def test_speech_shards_source_reads_the_whisper_dataset(tmp_path, tiny_corpora):
     from omni.data.builders_speech import build_speech_synth
     from omni.data.reader import ShardLoader
 
-    recipe = load_recipe()
+    recipe = load_multimodal()
     shards = tmp_path / "speech"
     build_speech_synth(shards, train=3, test=2, text=tiny_corpora.text_files(), seed=0, workers=1, quiet=True)
     cfg = recipe.parse_args(["--preset", "tiny", "--set", f"cache={str(tmp_path / 'cache')!r}"])
@@ -688,7 +685,7 @@ def sine_series(split: str, seed: int, n: int = 256) -> tuple[list[np.ndarray], 
 
 
 def test_plugin_modality_joins_the_mix_by_config_only(plugin_with_data, cache, tmp_path):
-    recipe = load_recipe()
+    recipe = load_multimodal()
     task = {"kind": "classify", "tokenizer": "timeseries", "tokenizer_kwargs": {"channels": 1, "patch": 8},
             "data": "test_multimodal:sine_series", "data_kwargs": {"n": 128}, "n_classes": 2, "weight": 1.0}
     args = tiny_args(cache, tmp_path / "run", f"extra_tasks={{'ts': {task!r}}}", "steps=40", "log_every=4",
@@ -747,7 +744,7 @@ def _worker(cache: str, out: str) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    recipe = load_recipe()
+    recipe = load_multimodal()
     out_dir = Path(out)
     record: dict = {}
     original = recipe.build
@@ -782,7 +779,7 @@ def test_a_run_killed_after_its_export_writes_its_results_on_a_rerun(cache, tmp_
     omni, before train_results.json and curves.png): every re-run reported "image loss nan" and never wrote
     results.json. Now the re-run measures the tasks on the export (or evaluates the final checkpoint again) and
     writes them, with the numbers of the uninterrupted run."""
-    recipe = load_recipe()
+    recipe = load_multimodal()
     out = tmp_path / "run"
     args = tiny_args(cache, out, "only='image'", "steps=2", "eval_batches=1", "eval_tasks='end'", "checkpoint_every=2",
                      "report_to='none'")
@@ -809,7 +806,7 @@ def test_a_run_killed_after_its_export_writes_its_results_on_a_rerun(cache, tmp_
 
 
 def test_an_image_patch_that_does_not_divide_28_is_one_line(cache, capsys):
-    recipe = load_recipe()
+    recipe = load_multimodal()
     with pytest.raises(SystemExit) as stop:
         recipe.parse_args(["--preset", "tiny", "--set", *data_sets(cache), "tasks.image.patch=5"])
     err = capsys.readouterr().err
@@ -828,7 +825,7 @@ def test_evaluations_score_the_same_held_out_batches_after_a_resume(cache, tmp_p
     from omni.evaluation import read_history
     from omni.train import Trainer, TrainingInterrupted
 
-    recipe = load_recipe()
+    recipe = load_multimodal()
 
     def run(out):
         return recipe.main(tiny_args(cache, out, "only='image'", "steps=4", "eval_every=1", "eval_batches=1",
@@ -859,7 +856,7 @@ def test_evaluations_score_the_same_held_out_batches_after_a_resume(cache, tmp_p
 def test_a_task_entry_the_task_never_reads_is_one_line(capsys):
     """tasks.image.env='x' (dict or dotted form) was silently ignored; an entry left over from a preset when the
     user switches a task's source is not the user's mistake and stays accepted."""
-    mm = load_recipe()
+    mm = load_multimodal()
     for argv in (["--set", "tasks.image.env=x"],
                  ["--set", "tasks={'image': {'kind': 'classify', 'source': 'fashion-mnist', 'patch': 7, 'env': 'x'}}"]):
         with pytest.raises(SystemExit) as exc:
@@ -872,7 +869,7 @@ def test_a_task_entry_the_task_never_reads_is_one_line(capsys):
 
 
 def test_the_corpus_cache_tag_follows_the_files_of_a_text_folder(tmp_path):
-    mm = load_recipe()
+    mm = load_multimodal()
     (tmp_path / "corpus").mkdir()
     page = tmp_path / "corpus" / "a.txt"
     page.write_text("One two three four.\n")

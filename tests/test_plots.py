@@ -5,7 +5,6 @@ prediction grid; the DT recipe's return plot; `omni predict --attention`. CPU, d
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 import warnings
@@ -19,6 +18,7 @@ from PIL import Image
 from omni import plots
 from omni.evaluation import CURVES_NAME, HISTORY_NAME, MetricHistory, read_history
 from omni.plots import Clip, Note, Picture
+from conftest import load_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).parent))
@@ -274,10 +274,7 @@ def test_task_samples_classify_grid_and_transcribe_clips():
 
 
 def load(name: str):
-    spec = importlib.util.spec_from_file_location(f"{name}_recipe_plots", ROOT / "recipes" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_recipe(name, f"{name}_recipe_plots")
 
 
 @pytest.fixture(scope="module")

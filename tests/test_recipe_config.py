@@ -4,22 +4,20 @@ entry with its default and the presets; text / max_corrupt_fraction / resume ent
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from conftest import load_recipe
+
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = ("vit", "whisper", "decision_transformer", "multimodal")
 
 
 def load(name: str):
-    spec = importlib.util.spec_from_file_location(f"recipe_config_{name}", ROOT / "recipes" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_recipe(name, f"recipe_config_{name}")
 
 
 @pytest.fixture(scope="module")

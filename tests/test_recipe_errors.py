@@ -5,7 +5,6 @@ DT recipe's checkpoints, TensorBoard logs and resume; the whisper recipe's WER /
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import shutil
 import subprocess
@@ -16,15 +15,13 @@ import pytest
 
 from omni.recipe_runtime import TEXT_OPTION, run_recipe
 from omni.deps import MissingDependency, install_hint, require
+from conftest import load_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def load(name: str):
-    spec = importlib.util.spec_from_file_location(f"recipe_errors_{name}", ROOT / "recipes" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_recipe(name, f"recipe_errors_{name}")
 
 
 class Stop(Exception):

@@ -4,7 +4,6 @@ is refused in one line naming PATH. recipes/vit.py's init: tests/test_interop_ti
 
 from __future__ import annotations
 
-import importlib.util
 import shutil
 from pathlib import Path
 
@@ -15,16 +14,14 @@ from omni.export import load_pretrained, save_pretrained
 from omni.model import OmniModel
 from omni.tokenizers.image import ImageTokenizer
 from omni.trunk import TrunkConfig
+from conftest import load_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
-def load_recipe(name: str):
-    spec = importlib.util.spec_from_file_location(f"{name}_recipe_init", ROOT / "recipes" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def load(name: str):
+    return load_recipe(name, f"{name}_recipe_init")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -40,7 +37,7 @@ def cartpole(tmp_path_factory):
     root = tmp_path_factory.mktemp("dt-init")
     build_gym(root / "data", env="CartPole-v1", episodes=10, mix="expert:0.5,medium:0.3,random:0.2", seed=0,
               reference_episodes=2, minari=False, quiet=True)
-    load_recipe("decision_transformer").main(dt_args(root / "data", root / "source", "steps=20"))
+    load("decision_transformer").main(dt_args(root / "data", root / "source", "steps=20"))
     return root / "data", root / "source" / "dt-seed0" / "final"
 
 
@@ -56,7 +53,7 @@ def test_decision_transformer_resumes_from_an_export(cartpole, tmp_path):
     from omni.rl import WindowLoader, action_loss, encode_episodes
 
     data, export = cartpole
-    recipe = load_recipe("decision_transformer")
+    recipe = load("decision_transformer")
     cfg = recipe.parse_args(dt_args(data, tmp_path / "run", f"init={str(export)!r}", "steps=1", "lr=1e-12"))
     _, episodes = recipe.load_data(cfg)
     source, tok = load_pretrained(export).train(), load_tokenizers(export)["trajectory"]
@@ -78,7 +75,7 @@ def test_decision_transformer_refuses_what_does_not_fit(cartpole, tmp_path):
     from transformers import DecisionTransformerConfig, DecisionTransformerModel
 
     data, export = cartpole
-    recipe = load_recipe("decision_transformer")
+    recipe = load("decision_transformer")
     hf = tmp_path / "hf-dt"
     DecisionTransformerModel(DecisionTransformerConfig(state_dim=4, act_dim=1, hidden_size=32, n_layer=1,
                                                        n_head=1, max_ep_len=600)).save_pretrained(hf)
@@ -107,7 +104,7 @@ def image_run(fashion_mnist_env, tmp_path_factory):
     """The tiny preset's image task alone, 3 steps: its export and final held-out loss."""
     root = tmp_path_factory.mktemp("mm-init")
     shutil.copytree(fashion_mnist_env.text, root / "cache" / "corpus")
-    metrics = load_recipe("multimodal").main(mm_args(root, root / "source", "steps=3"))
+    metrics = load("multimodal").main(mm_args(root, root / "source", "steps=3"))
     return root, root / "source" / "final", metrics
 
 
@@ -122,7 +119,7 @@ def test_multimodal_resumes_from_an_export(image_run, tmp_path):
     """The first evaluation of a run from the export is the export's (a fresh model's is not); the model the
     recipe builds holds the export's trunk."""
     root, export, source_metrics = image_run
-    recipe = load_recipe("multimodal")
+    recipe = load("multimodal")
     metrics = recipe.main(mm_args(root, tmp_path / "run", f"init={str(export)!r}", "steps=1", "lr=1e-12"))
     assert metrics["eval/loss"] == pytest.approx(source_metrics["eval/loss"], abs=1e-5)
     fresh = recipe.main(mm_args(root, tmp_path / "fresh", "steps=1", "lr=1e-12"))
@@ -134,7 +131,7 @@ def test_multimodal_resumes_from_an_export(image_run, tmp_path):
 
 def test_multimodal_refuses_a_text_lm_and_other_tokenizers(image_run, tmp_path):
     root, export, _ = image_run
-    recipe = load_recipe("multimodal")
+    recipe = load("multimodal")
     image = ImageTokenizer(4, channels=1, image_size=28, policy="resize")
     lm = OmniModel({"image": image}, TrunkConfig(d_model=16, n_layers=1, n_heads=2, positions="learned_1d",
                                                  max_positions=64))
