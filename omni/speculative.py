@@ -116,35 +116,77 @@ class Reference:
 
 
 class DraftModel:
-    """(b) A smaller decoder sharing the vocabulary (a shallow decoder, a smaller GPT-2): its own greedy tokens
-    (no filters, no guard: a draft need not be exact), computed by re-running it on each row's text so far through
-    a fresh KV cache per proposal (simple and always consistent; the draft model is small by choice). ``memory``
-    and ``mask`` are its own (``draft.encode`` of the batch's inputs)."""
+    """(b) A smaller decoder sharing the vocabulary (a shallow decoder, a smaller converted Whisper / GPT-2): its own
+    greedy tokens (no filters, no guard: a draft need not be exact). ``memory`` and ``mask`` are its own
+    (``draft.encode`` of the batch's inputs; ``PromptedLM``: the prompt ids).
 
-    def __init__(self, draft: Seq2SeqDecoder, memory: Tensor, mask: Tensor | None = None) -> None:
-        self.draft, self.memory, self.mask = draft, memory, mask
+    Its KV cache lives across proposals: the prompt (and the cross-attention K/V of ``memory``) are computed once;
+    each proposal rolls a row back to the tokens it already holds that are still the row's (all of them but the
+    last: the last one is re-fed so that its hidden state gives the first draft token), feeds the rest (rows right-
+    padded to one width, written at one slot and the padding rolled back, as ``speculative_decode`` does), drafts
+    k tokens greedily and then forgets them (the accepted ones come back as the row's tokens). When the slots run
+    out the cache is compacted, and grown (prompt re-run) only when a row's real tokens no longer fit."""
+
+    def __init__(self, draft: Seq2SeqDecoder, memory: Tensor, mask: Tensor | None = None, capacity: int = 256) -> None:
+        self.draft, self.memory, self.mask = _verifier(draft), memory, mask
+        self.capacity = capacity
+        self.cache: KVCache | None = None
+        self.held: list[int] = []  # per row: the row's generated tokens the cache holds
+        self.base = torch.zeros(0)  # (B,) real slots of each row's prompt (memory held in the cache included)
+        self.slot = 0  # where the next write goes (every row at once)
+        self.first: Tensor | None = None  # (B, V) logits after the prompt: the draft of a row with no tokens yet
+
+    def _start(self, capacity: int) -> None:
+        B, dev = self.memory.shape[0], self.memory.device
+        self.capacity = capacity
+        self.cache = self.draft.new_cache(self.memory, capacity)
+        prompt = torch.tensor(self.draft.prompt, dtype=torch.long, device=dev).expand(B, -1)
+        self.first = self.draft.logits(prompt, self.memory, self.mask, self.cache)
+        self.base, self.slot, self.held = self.cache.real_tokens().clone(), self.cache.length, [0] * B
 
     @torch.no_grad()
     def propose(self, tokens: Sequence[Sequence[int]], k: int) -> list[list[int]]:
         B, dev = len(tokens), self.memory.device
-        out: list[list[int]] = [[] for _ in range(B)]
-        for n in sorted({len(r) for r in tokens}):  # rows of one length share every shape: one batch each
-            rows = [b for b, r in enumerate(tokens) if len(r) == n]
-            index = torch.tensor(rows, device=dev)
-            memory = self.memory.index_select(0, index)
-            mask = None if self.mask is None else self.mask.index_select(0, index)
-            prompt = torch.tensor(self.draft.prompt, dtype=torch.long, device=dev).expand(len(rows), -1)
-            text = torch.tensor([list(tokens[b]) for b in rows], dtype=torch.long, device=dev).reshape(len(rows), n)
-            cache = self.draft.new_cache(memory, prompt.shape[1] + n + k)
-            logits = self.draft.logits(torch.cat([prompt, text], 1), memory, mask, cache)
-            chosen = []
-            for i in range(k):
-                chosen.append(logits.argmax(-1))
-                if i + 1 < k:
-                    logits = self.draft.logits(chosen[-1][:, None], None, mask, cache)
-            for b, ids in zip(rows, torch.stack(chosen, 1).tolist()):
-                out[b] = ids
-        return out
+        lengths = [len(r) for r in tokens]
+        if self.cache is None:
+            self._start(self.capacity)
+        keep = [min(h, max(n - 1, 0)) for h, n in zip(self.held, lengths)]  # what stays: never a row's last token
+        width = max(n - c for n, c in zip(lengths, keep))
+        if self.slot + width + k > self.cache.max_length:  # compact, and grow when the real tokens do not fit
+            self.cache.rollback(self.base + torch.tensor(keep, device=dev), compact=True)
+            self.slot = int(self.cache.real_tokens().max())
+            if self.slot + width + k > self.cache.max_length:
+                self._start(2 * (self.slot + width + k))
+                keep = [0] * B
+                width = max(lengths)
+        self.cache.rollback(self.base + torch.tensor(keep, device=dev))
+        chosen = torch.zeros(B, k, dtype=torch.long, device=dev)
+        if width > 0:
+            feed = torch.full((B, width), self.draft.pad_id, dtype=torch.long, device=dev)
+            for b, (row, c) in enumerate(zip(tokens, keep)):
+                if len(row) > c:
+                    feed[b, :len(row) - c] = torch.as_tensor(list(row[c:]), dtype=torch.long)
+            hidden = self.draft.decode_hidden(feed, None, self.mask, self.cache,
+                                              torch.tensor(self.slot, dtype=torch.long, device=dev))
+            self.slot += width
+            fed = torch.tensor([n - c for n, c in zip(lengths, keep)], device=dev)
+            self.cache.rollback(self.base + torch.tensor(lengths, device=dev))  # the padding forgotten
+            last = hidden[torch.arange(B, device=dev), (fed - 1).clamp(min=0)]  # (B, d)
+            logits = self.draft.head(last[:, None])[:, 0]
+            if self.first is not None:  # a row without tokens drafts from the prompt's logits
+                logits = torch.where((fed == 0)[:, None], self.first, logits)
+        else:
+            logits = self.first
+        for i in range(k):
+            chosen[:, i] = logits.argmax(-1)
+            if i + 1 < k:
+                hidden = self.draft.decode_hidden(chosen[:, i:i + 1], None, self.mask, self.cache,
+                                                  torch.tensor(self.slot, dtype=torch.long, device=dev))
+                self.slot += 1
+                logits = self.draft.head(hidden)[:, -1]
+        self.cache.rollback(self.base + torch.tensor(lengths, device=dev))  # the drafts forgotten
+        self.held = lengths
+        return chosen.tolist()
 
 
 @dataclass

@@ -28,6 +28,11 @@ Design decisions (documented here because recipes/whisper.py and `omni transcrib
   Whisper as whisper.decode (``omni.decoding.WhisperRanker``: score / length), omni's models by GNMT's penalty.
 * Long audio, files and exports are the application layer's (``omni.pipelines.transcribe``: omni's pause windows,
   or ``whisper.transcribe``'s seek loop for a converted Whisper); this module decodes batches of windows.
+* Mask-CTC (``mask_token``, config "mask_token"; trained by ``SpeechLoss(mask_weight=...)``): the SAME decoder
+  weights also learn a conditional masked LM: the normalised transcript's tokens (the CTC head's units, re-tokenised)
+  with random ones replaced by the mask token, the decoder run over the text without its causal mask
+  (``decode_bidirectional``: every text position sees every other, cross-attention to the audio as always), the
+  loss on the masked positions only. omni.mask_ctc fills a CTC draft's unsure tokens with it.
 * WER / CER (``error_rates``) compare texts normalised by ``normalize_text`` (rule in its docstring),
   as corpus totals: sum of edit distances / sum of reference lengths.
 """
@@ -48,12 +53,17 @@ from omni.asr_text import (CTC_BLANK, ctc_greedy_decode, ctc_labels, edit_distan
                            error_rates, normalize_text)  # the ASR text helpers (a leaf), still importable from here
 from omni.heads import LMHead
 from omni.interfaces import Seq2SeqDecoder
-from omni.speculative import Drafter, DraftStats, PromptLookup, Reference, speculative_decode
+from omni.speculative import Drafter, DraftModel, DraftStats, PromptLookup, Reference, speculative_decode
 from omni.tokenizers.audio import AudioTokenizer
 from omni.tokenizers.text import IGNORE_INDEX, TextTokenizer
 from omni.trunk import KVCache, Trunk, TrunkConfig
 
 TASK = "transcribe"
+# Mask-CTC's mask token: the first reserved special slot of omni's text tokenizers (id 7 of every BPE that
+# TextTokenizer.fit makes, the shipped bpe-8k included): no embedding row added, no vocabulary change, and the
+# slots exist for exactly this (a control token added later without refitting). A vocabulary without it (a
+# converted Whisper's) is refused by the recipe in one line.
+MASK_TOKEN = "<|reserved_0|>"
 SILENCE_PEAK = 1e-4  # |sample| peak below this (-80 dBFS) = a silent file: nothing to transcribe
 NO_TIMESTAMPS, FIRST_TIMESTAMP = "<|notimestamps|>", "<|0.00|>"  # Whisper's vocabulary (omni.tokenizers.ranks)
 TIMESTAMPS_PER_SECOND = 50  # Whisper's timestamp tokens: <|0.00|>, <|0.02|>, ... <|30.00|>
@@ -79,7 +89,8 @@ class SpeechRecognizer(nn.Module):
 
     def __init__(self, audio: AudioTokenizer, text: TextTokenizer, encoder: TrunkConfig,
                  decoder: TrunkConfig, ctc: bool = False, audio_positions: str = "none",
-                 prompt: Sequence[str] | None = None, decoding: Mapping[str, Any] | None = None) -> None:
+                 prompt: Sequence[str] | None = None, decoding: Mapping[str, Any] | None = None,
+                 mask_token: str | None = None) -> None:
         super().__init__()
         if encoder.d_model != decoder.d_model:
             raise ValueError(f"encoder width {encoder.d_model} != decoder width {decoder.d_model}: "
@@ -98,6 +109,9 @@ class SpeechRecognizer(nn.Module):
         self.vocab_size = text.vocab_size
         self.bos_id, self.eos_id, self.pad_id = text.bos_id, text.eos_id, text.pad_id
         self.task_id = text.token_id(TASK)
+        # Mask-CTC: the special token that stands for a masked transcript token (None: not trained for it)
+        self.mask_token = mask_token
+        self.mask_id: int | None = None if mask_token is None else text.token_id(mask_token)
         self.tokens_per_second = audio.tokens_per_second
         if audio_positions not in ("none", "sinusoidal"):
             raise ValueError(f"audio_positions must be 'none' or 'sinusoidal', got {audio_positions!r}")
@@ -152,6 +166,14 @@ class SpeechRecognizer(nn.Module):
         return self.decoder(self.text_embed(text), positions, "causal" if cache is None else None,
                             memory=memory, memory_mask=audio_mask, cache=cache, cache_position=cache_position)
 
+    def decode_bidirectional(self, text: Tensor, memory: Tensor, audio_mask: Tensor | None,
+                             text_mask: Tensor | None = None) -> Tensor:
+        """The conditional masked LM's pass (Mask-CTC): text ids (B, T) -> decoder hidden states (B, T, d) with every
+        text position seeing every other (no causal mask; ``text_mask`` (B, T) True = real hides the padding) and
+        cross-attention to ``memory``. The same weights as ``decode_hidden``: one decoder, two attention modes."""
+        mask = None if text_mask is None else text_mask[:, None, None, :]
+        return self.decoder(self.text_embed(text), None, mask, memory=memory, memory_mask=audio_mask)
+
     def new_cache(self, memory: Tensor, max_length: int) -> KVCache:
         """The decoder's empty cache for this batch: ``max_length`` text tokens, cross K/V in memory's dtype."""
         return self.decoder.new_cache(memory.shape[0], max_length, dtype=memory.dtype)
@@ -169,16 +191,22 @@ class SpeechRecognizer(nn.Module):
         """Decoder hidden states (B, T, d) -> next-token logits (B, T, vocab)."""
         return self.head(features)
 
-    def forward(self, audio: Tensor, audio_mask: Tensor | None, text: Tensor,
-                ctc: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+    def forward(self, audio: Tensor, audio_mask: Tensor | None, text: Tensor, ctc: bool = False,
+                masked: tuple[Tensor, Tensor] | None = None) -> Tensor | tuple[Tensor, ...]:
         """Teacher forcing: logits (B, T, vocab) for every text position; with ``ctc=True`` also the CTC
-        head's logits (B, S, 257) over the audio tokens (one forward, so DDP/compile see one call)."""
-        if not ctc:
+        head's logits (B, S, 257) over the audio tokens; with ``masked`` = (masked text (B, T'), its real-token mask
+        (B, T')) also the masked LM's logits (B, T', vocab) (``decode_bidirectional``), as (logits, CTC logits or
+        None, masked logits). One forward, so DDP/compile see one call."""
+        if not ctc and masked is None:
             return self.forward_head(self.forward_features(audio, audio_mask, text))
-        if self.ctc_head is None:
+        if ctc and self.ctc_head is None:
             raise ValueError("this SpeechRecognizer has no CTC head: build it with ctc=True")
         memory = self.encode(audio, audio_mask)
-        return self.forward_head(self.decode_hidden(text, memory, audio_mask)), self.ctc_head(memory)
+        logits = self.forward_head(self.decode_hidden(text, memory, audio_mask))
+        ctc_logits = self.ctc_head(memory) if ctc else None
+        if masked is None:
+            return logits, ctc_logits
+        return logits, ctc_logits, self.head(self.decode_bidirectional(masked[0], memory, audio_mask, masked[1]))
 
 
 class TimestampMode:
@@ -311,7 +339,7 @@ def build_speech_recognizer(config: dict[str, Any], tokenizers: dict[str, Any]) 
     return SpeechRecognizer(tokenizers["audio"], tokenizers["text"], TrunkConfig(**config["encoder"]),
                             TrunkConfig(**config["decoder"]), ctc=bool(config.get("ctc", False)),
                             audio_positions=config.get("audio_positions", "none"), prompt=config.get("prompt"),
-                            decoding=config.get("decoding"))
+                            decoding=config.get("decoding"), mask_token=config.get("mask_token"))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -322,7 +350,9 @@ def build_speech_recognizer(config: dict[str, Any], tokenizers: dict[str, Any]) 
 class SpeechBatch:
     """A padded batch: audio (B, S, F) float, audio_mask (B, S) bool, text (B, T) int64 decoder input,
     targets (B, T) int64 next-token ids with -100 where nothing is predicted, keys (B sample names), and
-    the CTC labels: ctc_labels (B, L) int64 bytes of each normalised transcript (0-padded), ctc_lengths (B,)."""
+    the CTC labels: ctc_labels (B, L) int64 bytes of each normalised transcript (0-padded), ctc_lengths (B,); and
+    for the masked LM (Mask-CTC) mlm_text (B, T') the prompt + the normalised transcript's ids + eos (pad after),
+    mlm_body (B, T') True at the transcript's tokens (what may be masked), mlm_real (B, T') True at real tokens."""
 
     audio: Tensor
     audio_mask: Tensor
@@ -331,11 +361,15 @@ class SpeechBatch:
     keys: list[str]
     ctc_labels: Tensor | None = None
     ctc_lengths: Tensor | None = None
+    mlm_text: Tensor | None = None
+    mlm_body: Tensor | None = None
+    mlm_real: Tensor | None = None
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> "SpeechBatch":
         move = lambda t: None if t is None else t.to(device, non_blocking=non_blocking)  # noqa: E731
         return SpeechBatch(move(self.audio), move(self.audio_mask), move(self.text), move(self.targets), self.keys,
-                           move(self.ctc_labels), move(self.ctc_lengths))
+                           move(self.ctc_labels), move(self.ctc_lengths), move(self.mlm_text), move(self.mlm_body),
+                           move(self.mlm_real))
 
     @property
     def num_documents(self) -> int:  # Trainer sample count
@@ -364,8 +398,9 @@ def pad_audio(items: Sequence[Tensor], pad_multiple: int = 8) -> tuple[Tensor, T
 
 
 class SpeechCollate:
-    """List of ``{"audio": (n, F), "text": (m,), "targets": (m,), "key"[, "ctc": (k,)]}`` -> SpeechBatch
-    (picklable); CTC labels are batched when every item has them."""
+    """List of ``{"audio": (n, F), "text": (m,), "targets": (m,), "key"[, "ctc": (k,)][, "mlm": (j,), "mlm_start"]}``
+    -> SpeechBatch (picklable); CTC labels are batched when every item has them, the masked LM's text likewise
+    ("mlm": prompt + ids + eos, "mlm_start": the prompt's length)."""
 
     def __init__(self, pad_id: int, pad_multiple: int = 8) -> None:
         self.pad_id, self.pad_multiple = pad_id, pad_multiple
@@ -384,38 +419,106 @@ class SpeechCollate:
             labels = torch.zeros(len(items), max(int(lengths.max()), 1), dtype=torch.int64)
             for i, it in enumerate(items):
                 labels[i, :it["ctc"].shape[0]] = it["ctc"]
-        return SpeechBatch(audio, mask, text, targets, [str(it["key"]) for it in items], labels, lengths)
+        mlm = body = real = None
+        if all("mlm" in it for it in items):
+            width = max(it["mlm"].shape[0] for it in items)
+            mlm = torch.full((len(items), width), self.pad_id, dtype=torch.int64)
+            body = torch.zeros(len(items), width, dtype=torch.bool)
+            real = torch.zeros(len(items), width, dtype=torch.bool)
+            for i, it in enumerate(items):
+                n = it["mlm"].shape[0]
+                mlm[i, :n], real[i, :n] = it["mlm"], True
+                body[i, int(it["mlm_start"]):n - 1] = True  # the transcript's tokens: not the prompt, not eos
+        return SpeechBatch(audio, mask, text, targets, [str(it["key"]) for it in items], labels, lengths, mlm, body, real)
 
 
 def speech_example(audio_tok: AudioTokenizer, text_tok: TextTokenizer, audio: Any, transcript: str,
-                   key: str = "") -> dict[str, Any]:
-    """One (audio, transcript) pair -> the dict SpeechCollate batches (CTC labels included)."""
+                   key: str = "", mlm: bool = False) -> dict[str, Any]:
+    """One (audio, transcript) pair -> the dict SpeechCollate batches (CTC labels included; with ``mlm`` the masked
+    LM's text too, ``masked_lm_text`` after omni's prompt [bos, <|transcribe|>])."""
     seg = audio_tok.encode(audio, key=key)
     txt = text_tok.encode(transcript, key=key, task=TASK)
-    return {"audio": seg.tokens, "text": txt.tokens, "targets": txt.targets, "key": key,
-            "ctc": ctc_labels(transcript)}
+    out = {"audio": seg.tokens, "text": txt.tokens, "targets": txt.targets, "key": key, "ctc": ctc_labels(transcript)}
+    if mlm:
+        prompt = [text_tok.bos_id, text_tok.token_id(TASK)]
+        out.update(mlm=masked_lm_text(text_tok, prompt, transcript, key), mlm_start=len(prompt))
+    return out
+
+
+def masked_lm_text(text_tok: TextTokenizer, prompt: Sequence[int], transcript: str, key: str = "") -> Tensor:
+    """The masked LM's decoder text of a transcript: prompt + the ids of ``normalize_text(transcript)`` + eos. The
+    normalised text, not the transcript as written: at inference the masked LM edits the CTC head's text, which is
+    normalised (lower case, no punctuation), re-tokenised the same way (``omni.mask_ctc.ctc_tokens``)."""
+    ids = text_tok.encode(normalize_text(transcript), key=key).tokens
+    ids = ids[int(text_tok.add_bos):]
+    if not text_tok.add_eos:
+        ids = torch.cat([ids, torch.tensor([text_tok.eos_id])])
+    return torch.cat([torch.tensor(list(prompt), dtype=torch.int64), ids])
+
+
+def mask_tokens(text: Tensor, body: Tensor, mask_id: int, generator: torch.Generator | None = None
+                ) -> tuple[Tensor, Tensor]:
+    """Mask-CTC's training corruption: in each row, n ~ Uniform{1 .. L} of its L body tokens (``body`` (B, T) True)
+    chosen uniformly at random and replaced by ``mask_id`` -> (masked text (B, T), chosen (B, T) bool). As Higuchi
+    et al. 2020: every masking ratio is trained, from one token to the whole transcript (the first iteration at
+    inference may fill almost all of it)."""
+    length = body.sum(1)  # (B,)
+    n = (torch.rand(text.shape[0], generator=generator, device=text.device) * length).floor().long() + 1  # 1 .. L
+    scores = torch.where(body, torch.rand(text.shape, generator=generator, device=text.device), 2.0)  # body first
+    rank = scores.argsort(1).argsort(1)
+    chosen = body & (rank < n[:, None])
+    return torch.where(chosen, mask_id, text), chosen
 
 
 @dataclass(frozen=True)
 class SpeechLoss:
     """Next-token cross-entropy over real target positions (+ ``ctc_weight`` x CTC loss of the encoder's CTC
-    head, hybrid CTC/attention training) -> (loss, {"token_accuracy", and "ctc_loss" when used}).
+    head, hybrid CTC/attention training; + the masked LM with ``mask_weight``) -> (loss, {"token_accuracy", and
+    "ctc_loss" / "mask_loss" / "mask_accuracy" when used}).
 
     The CTC term reads the batch's byte labels (``SpeechCollate`` of ``speech_example`` items): the per-row
     loss divided by the label length, averaged over rows (``F.ctc_loss`` reduction "mean"); rows whose
     transcript cannot be aligned to their audio (more labels than audio tokens) would be infinite and are
-    zeroed (``zero_infinity``), so they only train the decoder."""
+    zeroed (``zero_infinity``), so they only train the decoder.
+
+    Mask-CTC (``mask_weight`` > 0, ``mask_id`` the model's mask token): the decoder's loss is (1 - mask_weight) x
+    next-token + mask_weight x the masked LM's cross-entropy, the mean over the masked positions of the batch
+    (``mask_tokens`` on the batch's ``mlm_text``, the decoder run bidirectionally); the CTC term weighs the decoder's
+    total as before: (1 - ctc_weight) x decoder + ctc_weight x CTC. mask_weight 0 is the loss without it."""
 
     ctc_weight: float = 0.0
+    mask_weight: float = 0.0
+    mask_id: int | None = None
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.mask_weight < 1:
+            raise ValueError(f"mask_weight must be in [0, 1), got {self.mask_weight}")
+        if self.mask_weight > 0 and self.mask_id is None:
+            raise ValueError("SpeechLoss(mask_weight > 0) needs mask_id: the model's mask token (mask_token=...)")
 
     def __call__(self, model: nn.Module, batch: SpeechBatch) -> tuple[Tensor, dict[str, Tensor]]:
         keep = batch.targets != IGNORE_INDEX
-        if self.ctc_weight == 0:
+        ctc_logits = masked = None
+        if self.mask_weight > 0:
+            if batch.mlm_text is None or batch.mlm_body is None or batch.mlm_real is None:
+                raise ValueError("SpeechLoss(mask_weight > 0) needs the masked LM's text in the batch: build the "
+                                 "items with speech_example(..., mlm=True) and batch with SpeechCollate")
+            masked_text, chosen = mask_tokens(batch.mlm_text, batch.mlm_body, int(self.mask_id))
+            logits, ctc_logits, mlm_logits = model(batch.audio, batch.audio_mask, batch.text, ctc=self.ctc_weight > 0,
+                                                   masked=(masked_text, batch.mlm_real))
+            masked = (mlm_logits[chosen].float(), batch.mlm_text[chosen])
+        elif self.ctc_weight == 0:
             logits = model(batch.audio, batch.audio_mask, batch.text)
         else:
             logits, ctc_logits = model(batch.audio, batch.audio_mask, batch.text, ctc=True)
         loss = F.cross_entropy(logits[keep].float(), batch.targets[keep])
         metrics = {"token_accuracy": (logits[keep].argmax(-1) == batch.targets[keep]).float().mean()}
+        if masked is not None:
+            mlm = F.cross_entropy(masked[0], masked[1]) if masked[1].numel() else masked[0].sum() * 0.0
+            metrics["mask_loss"] = mlm.detach()
+            metrics["mask_accuracy"] = (masked[0].argmax(-1) == masked[1]).float().mean() if masked[1].numel() \
+                else mlm.detach()
+            loss = (1 - self.mask_weight) * loss + self.mask_weight * mlm
         if self.ctc_weight == 0:
             return loss, metrics
         if batch.ctc_labels is None or batch.ctc_lengths is None:
@@ -435,10 +538,11 @@ speech_loss = SpeechLoss()  # decoder cross-entropy only (the loss of every mode
 # Decoding (omni.decoding: greedy_decode, beam_search and GraphedGreedyDecoder)
 
 
-DraftSource = Callable[[Tensor, Tensor | None], Drafter]  # (memory, audio_mask) of a batch -> its drafter
+# (memory, audio_mask[, audio]) of a batch -> its drafter (audio: the batch's audio tokens, for a draft model)
+DraftSource = Callable[..., Drafter]
 
 
-def ngram_draft(memory: Tensor, audio_mask: Tensor | None = None) -> Drafter:
+def ngram_draft(memory: Tensor, audio_mask: Tensor | None = None, audio: Tensor | None = None) -> Drafter:
     """A ``DraftSource``: prompt lookup over each row's own text so far (``omni.speculative.PromptLookup``)."""
     return PromptLookup()
 
@@ -451,7 +555,7 @@ def ctc_draft(model: Any, text_tok: TextTokenizer, max_ngram: int = 3) -> DraftS
         raise ValueError("draft 'ctc' (omni transcribe --draft ctc) needs a speech model with a CTC head (trained "
                          "with ctc_weight > 0); draft 'ngram' works with any model")
 
-    def source(memory: Tensor, audio_mask: Tensor | None = None) -> Drafter:
+    def source(memory: Tensor, audio_mask: Tensor | None = None, audio: Tensor | None = None) -> Drafter:
         drafts = []
         for text in ctc_greedy_decode(head(memory), audio_mask):
             ids = text_tok.encode(text).tokens.tolist()
@@ -461,22 +565,43 @@ def ctc_draft(model: Any, text_tok: TextTokenizer, max_ngram: int = 3) -> DraftS
     return source
 
 
+def model_draft(draft: Any) -> DraftSource:
+    """A ``DraftSource``: a smaller speech model sharing the vocabulary and the audio features (``check_draft_model``)
+    drafts greedily from its own encoding of the batch's audio (``omni.speculative.DraftModel``: its own memory and
+    KV cache, kept across passes)."""
+
+    def source(memory: Tensor, audio_mask: Tensor | None = None, audio: Tensor | None = None) -> Drafter:
+        if audio is None:
+            raise ValueError("a draft model encodes the batch's audio itself: pass audio= to the draft source")
+        return DraftModel(draft, draft.encode(audio, audio_mask), audio_mask)
+
+    return source
+
+
 @torch.no_grad()
 def decode_batch(model: Seq2SeqDecoder, audio: Tensor, audio_mask: Tensor, *, beam_size: int = 1,
                  length_penalty: float | Ranker | None = None, draft: DraftSource | None = None,
-                 draft_tokens: int = 4, draft_stats: DraftStats | None = None, **guards: Any) -> list[list[int]]:
+                 draft_tokens: int = 4, draft_stats: DraftStats | None = None,
+                 parallel: Callable[[Tensor, Tensor | None], list[list[int]]] | None = None,
+                 **guards: Any) -> list[list[int]]:
     """Padded audio tokens (B, S, F) + mask -> the generated ids of each row (greedy for beam_size 1, else beam
     search, ranked by ``length_penalty``: None = the model's ranker, ``SpeechRecognizer.ranker``). The model's own
     decoding guards (``SpeechRecognizer.decoding``: a converted Whisper's) are the defaults of ``guards``.
     ``model`` may be a ``TimestampMode`` (ids then hold timestamp tokens). ``draft`` (``ctc_draft``, ``ngram_draft``):
-    greedy's ids by speculative decoding (omni.speculative), ``draft_tokens`` a pass, counted in ``draft_stats``."""
+    greedy's ids by speculative decoding (omni.speculative), ``draft_tokens`` a pass, counted in ``draft_stats``.
+    ``parallel`` (omni.mask_ctc's ``ctc_decode``, ``mask_ctc_decode``): the ids it gives for the encoded batch, not
+    autoregressive (the guards do not apply)."""
     rules = getattr(model, "decoding", None)
     guards = {**dict(rules.guards), **guards} if isinstance(rules, DecodingRules) else guards
     memory = model.encode(audio, audio_mask)
+    if parallel is not None:
+        if draft is not None or beam_size != 1:
+            raise ValueError("a parallel (CTC / Mask-CTC) decoding takes neither a draft nor a beam")
+        return parallel(memory, audio_mask)
     if draft is not None:
         if beam_size != 1:
             raise ValueError(f"draft decoding is greedy: beam_size must be 1, got {beam_size}")
-        return speculative_decode(model, memory, audio_mask, drafter=draft(memory, audio_mask),
+        return speculative_decode(model, memory, audio_mask, drafter=draft(memory, audio_mask, audio),
                                   draft_tokens=draft_tokens, stats=draft_stats, **guards)
     if beam_size == 1:
         return greedy_decode(model, memory, audio_mask, **guards)
@@ -497,5 +622,5 @@ __all__ = [
     "beam_search", "build_speech_recognizer", "ctc_greedy_decode", "ctc_labels", "edit_distance", "error_counts",
     "error_rates", "greedy_decode", "normalize_text", "pad_audio", "speech_example", "speech_loss",
     "transcribe_batch", "MAX_INITIAL_TIMESTAMP", "TIMESTAMP_SECONDS", "TimestampMode", "decode_batch",
-    "timestamp_segments", "DraftSource", "ctc_draft", "ngram_draft",
+    "timestamp_segments", "DraftSource", "ctc_draft", "model_draft", "ngram_draft", "MASK_TOKEN", "mask_tokens", "masked_lm_text",
 ]

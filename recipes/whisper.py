@@ -63,7 +63,7 @@ from rapidfuzz.distance import Levenshtein
 from rapidfuzz.process import cdist
 
 from omni.asr_text import normalize_text
-from omni.config import POSITIVE, Key, at_least, keywords_of, one_of
+from omni.config import POSITIVE, Check, Key, at_least, keywords_of, one_of
 from omni.recipe_runtime import check_corpus, rank_zero_first, recipe_config, recipe_parser, run_recipe, train_config
 from omni.data.builders_speech import build_speech_synth, load_paragraphs
 from omni.data.speech import extract_sentences
@@ -75,8 +75,8 @@ from omni.data.reader import ShardLoader
 from omni.data.remote import dataset_source
 from omni.data.shards import read_manifest
 from omni.deps import require
-from omni.speech import (SpeechCollate, SpeechLoss, SpeechRecognizer, ctc_greedy_decode, ctc_labels, error_counts,
-                         transcribe_batch)
+from omni.speech import (MASK_TOKEN, SpeechCollate, SpeechLoss, SpeechRecognizer, ctc_greedy_decode, ctc_labels,
+                         error_counts, masked_lm_text, transcribe_batch)
 from omni.tokenizers.audio import AudioTokenizer
 from omni.tokenizers.text import IGNORE_INDEX, TextTokenizer
 from omni.train import Trainer, process_state, unwrap
@@ -96,6 +96,9 @@ COMMON = dict(
     max_seconds=Key(30.0, check=POSITIVE, help="longest clip (longer ones are dropped)"),
     ctc_weight=Key(None, (float, None), at_least(0), "hybrid CTC/attention: weight of the encoder's CTC loss (0: "
                    "decoder loss only, no CTC head; None: 0.3, with init 0.3 when the init has a CTC head, else 0)"),
+    mask_weight=Key(0.0, float, Check(lambda v: 0 <= v < 1, "in [0, 1)"),
+                    "Mask-CTC: weight of the decoder's masked-LM loss beside next-token prediction (0: off); needs "
+                    "the CTC head (its text is what the masked LM edits: `omni transcribe --decode mask-ctc`)"),
     audio_positions=Key("none", check=one_of("none", "sinusoidal"),
                         help="'sinusoidal': Whisper's absolute positions added to the audio embeddings"),
     audio_stride=Key(2, int, at_least(1), "one audio token every N 10-ms mel frames (2: 50 Hz, Whisper's rate; 3: "
@@ -151,6 +154,9 @@ def parse_args(argv=None) -> dict:
     cfg = recipe_config(ap, ap.parse_args(argv), COMMON, PRESETS, "base" if torch.cuda.is_available() else "cpu")
     if cfg["init"] is not None and cfg["bpe_vocab"] is not None:
         ap.error("bpe_vocab fits a new tokenizer, init brings its own: set one of them")
+    if cfg["mask_weight"] > 0 and cfg["ctc_weight"] == 0:
+        ap.error("mask_weight > 0 trains the decoder to edit the CTC head's text (Mask-CTC): it needs the CTC head, "
+                 "ctc_weight > 0 (or unset)")
     if cfg["data"] is None:
         ap.error(f"preset {cfg['preset']!r} needs --data DIR (shards from `omni data librispeech` or "
                  "`omni data speech-synth`)")
@@ -230,11 +236,12 @@ def recase(transcript: str, case: str) -> str:
 
 
 def prompted_example(audio_tok: AudioTokenizer, text_tok: TextTokenizer, prompt: tuple[int, ...], case: str,
-                     ctc: bool, audio: bytes, transcript: str, key: str = "") -> dict:
+                     ctc: bool, audio: bytes, transcript: str, key: str = "", mlm: bool = False) -> dict:
     """One (audio, transcript) pair -> the dict SpeechCollate batches. Decoder input: ``prompt`` (the model's:
     [bos, <|transcribe|>], or Whisper's four tokens) + the transcript's ids + eos; targets: the text and eos
     only, each predicted from the position before it (the prompt's last token predicts the first word), so the
-    prompt is a given condition, never trained. With ``ctc`` also the CTC labels (omni.speech.ctc_labels)."""
+    prompt is a given condition, never trained. With ``ctc`` also the CTC labels (omni.speech.ctc_labels), with
+    ``mlm`` the masked LM's text (omni.speech.masked_lm_text: the normalised transcript, as the CTC head writes it)."""
     transcript = recase(transcript, case)
     body = text_tok.encode(transcript, key=key).tokens  # [bos] ids [eos]
     ids = body[1:] if text_tok.add_bos else body
@@ -247,6 +254,8 @@ def prompted_example(audio_tok: AudioTokenizer, text_tok: TextTokenizer, prompt:
     example = {"audio": audio_tok.encode(audio, key=key).tokens, "text": tokens, "targets": targets, "key": key}
     if ctc:
         example["ctc"] = ctc_labels(transcript)
+    if mlm:
+        example.update(mlm=masked_lm_text(text_tok, prompt, transcript, key), mlm_start=len(prompt))
     return example
 
 
@@ -285,10 +294,24 @@ def from_scratch(cfg: dict, audio: AudioTokenizer, text: TextTokenizer) -> tuple
     encoder = preset(cfg["trunk"], **cfg["trunk_overrides"])
     decoder = preset(cfg["trunk"], cross_attention=True, **cfg["trunk_overrides"])
     ctc = cfg["ctc_weight"] is None or cfg["ctc_weight"] > 0
+    mask = mask_settings(cfg, text)
     torch.manual_seed(cfg["seed"])
-    model = SpeechRecognizer(audio, text, encoder, decoder, ctc=ctc, audio_positions=cfg["audio_positions"])
+    model = SpeechRecognizer(audio, text, encoder, decoder, ctc=ctc, audio_positions=cfg["audio_positions"],
+                             mask_token=mask.get("mask_token"))
     return model, {"builder": SPEECH_BUILDER, "encoder": encoder.to_dict(), "decoder": decoder.to_dict(), "ctc": ctc,
-                   "audio_positions": cfg["audio_positions"]}
+                   "audio_positions": cfg["audio_positions"], **mask}
+
+
+def mask_settings(cfg: dict, text: TextTokenizer) -> dict:
+    """The export config's Mask-CTC entries: {"mask_token", "mask_weight"} when the run trains the masked LM
+    (mask_weight > 0: `omni transcribe --decode mask-ctc` reads them), else {} (the export as without it). The
+    mask token is omni's reserved slot ``MASK_TOKEN``; a vocabulary without it is refused in one line."""
+    if cfg["mask_weight"] == 0:
+        return {}
+    if MASK_TOKEN not in text.special_tokens:
+        raise ValueError(f"mask_weight > 0 needs the mask token {MASK_TOKEN} (a reserved slot of omni's text "
+                         "tokenizers); this vocabulary has none (a converted Whisper's): set mask_weight=0")
+    return {"mask_token": MASK_TOKEN, "mask_weight": cfg["mask_weight"]}
 
 
 def from_init(cfg: dict) -> tuple[SpeechRecognizer, dict, dict]:
@@ -304,8 +327,8 @@ def from_init(cfg: dict) -> tuple[SpeechRecognizer, dict, dict]:
     had = bool(config.get("ctc", False))
     ctc = had if cfg["ctc_weight"] is None else cfg["ctc_weight"] > 0
     # "long_form": `omni transcribe` decodes the tuned model as the eval does (omni's windows, no timestamp tokens)
-    export = {k: v for k, v in config.items() if k not in ("omni_format", "tokenizers")} | {"ctc": ctc,
-                                                                                             "long_form": "pauses"}
+    export = {k: v for k, v in config.items() if k not in ("omni_format", "tokenizers", "mask_token", "mask_weight")}
+    export |= {"ctc": ctc, "long_form": "pauses", **mask_settings(cfg, tokenizers["text"])}
     torch.manual_seed(cfg["seed"])
     model = get_builder(SPEECH_BUILDER)(export, tokenizers)
     # a CTC head the init lacks starts from the seed; one this run drops is left out
@@ -492,7 +515,11 @@ def main(argv=None) -> dict:
     # A clip longer than the model's window is dropped (DecodeClip, with a warning), never cut: cut audio would not
     # say its transcript. (A converted Whisper's tokenizer cuts, as whisper.transcribe does, so train with a copy.)
     clips = audio if audio.truncation == "error" else AudioTokenizer(**{**audio.config(), "truncation": "error"})
-    decode = DecodeClip(partial(prompted_example, clips, text, tuple(model.prompt), cfg["text_case"], ctc))
+    mlm = cfg["mask_weight"] > 0
+    if mlm and not ctc:
+        raise ValueError("mask_weight > 0 trains the decoder to edit the CTC head's text (Mask-CTC): this model has "
+                         "no CTC head (ctc_weight=0)")
+    decode = DecodeClip(partial(prompted_example, clips, text, tuple(model.prompt), cfg["text_case"], ctc, mlm=mlm))
     # Whisper's front end makes every clip its 1500 tokens, its encoder's whole position table: rounding batches up
     # to a multiple of 8 would add 4 masked tokens to every row, computed for nothing.
     collate = SpeechCollate(text.pad_id, pad_multiple=1 if audio.frontend == "whisper" else 8)
@@ -512,7 +539,8 @@ def main(argv=None) -> dict:
     scorer = Scorer(text, cfg["limit_eval"], cfg["max_new_tokens"], constant,
                     samples=out / "samples" if state.is_main_process else None)
     config = train_config(cfg, run_name=f"whisper-{cfg['preset']}")
-    trainer = Trainer(model, SpeechLoss(cfg["ctc_weight"]), train_data, config, eval_data=eval_data,
+    loss = SpeechLoss(cfg["ctc_weight"], cfg["mask_weight"], model.mask_id)
+    trainer = Trainer(model, loss, train_data, config, eval_data=eval_data,
                       eval_fn=scorer.eval_fn, model_metrics_fn=scorer.metrics,
                       samples_fn=Listen(data, eval_split, audio, text, cfg), hparams=cfg, export_config=export,
                       export_tokenizers={"audio": audio, "text": text})
