@@ -5,8 +5,10 @@ Where FlexAttention is not compiled (and for its missing CPU backward), omni.tru
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -88,12 +90,25 @@ def _probs(mask: BlockMask, ch: _Chunk, qc: Tensor, kg: Tensor, scale: float) ->
     return scores.masked_fill(~allowed, float("-inf")).softmax(-1).nan_to_num(0.0)
 
 
+def _float32(fn: Callable) -> Callable:
+    """Run a Function's forward / backward with autocast off: the math is float32 by design (under a bf16
+    autocast the einsums would give bf16, which the float32 buffers they fill refuse)."""
+
+    @functools.wraps(fn)
+    def run(ctx: Any, first: Tensor, *rest: Any) -> Any:
+        with torch.autocast(first.device.type, enabled=False):
+            return fn(ctx, first, *rest)
+
+    return run
+
+
 class _Banded(torch.autograd.Function):
     """The chunked attention with a hand-written backward: per chunk, recompute the probabilities P, then
     dV += P^T dO, dS = P (dP - rowsum(dO * O)), dQ = dS K, dK += dS^T Q (scaled), added in place at the chunk's
     key places: no chunk's scores outlive it."""
 
     @staticmethod
+    @_float32
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, plan: tuple, scale: float) -> Tensor:  # type: ignore[override]
         mask, bq, nq, chunks = plan
         B, H, Tq, D = q.shape
@@ -110,6 +125,7 @@ class _Banded(torch.autograd.Function):
         return out.flatten(2, 3)[:, :, :Tq].to(q.dtype)
 
     @staticmethod
+    @_float32
     def backward(ctx, grad: Tensor) -> tuple:  # type: ignore[override]
         q, k, v, out = ctx.saved_tensors
         mask, bq, nq, chunks = ctx.plan
