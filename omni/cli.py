@@ -164,9 +164,20 @@ def _transcribe(args: argparse.Namespace) -> int:
     from omni.pipelines.transcribe import transcribe_files
     from omni.transcript_formats import render, transcript_json
 
-    if args.draft is not None and args.beam_size != 1:
-        raise UsageError(f"--draft decodes greedily (the same text in fewer passes): not with --beam-size "
-                         f"{args.beam_size}")
+    if args.decode is None:
+        args.decode = "beam" if args.beam_size > 1 else "greedy"
+    elif args.decode == "beam" and args.beam_size == 1:
+        args.beam_size = 5  # --decode beam alone: Whisper's beam width
+    elif args.decode != "beam" and args.beam_size != 1:
+        raise UsageError(f"--beam-size {args.beam_size} is beam search: use it with --decode beam, not --decode "
+                         f"{args.decode}")
+    if args.iterations is not None and args.decode != "mask-ctc":
+        raise UsageError(f"--iterations {args.iterations} counts Mask-CTC's decoder passes: use it with --decode "
+                         f"mask-ctc, not --decode {args.decode}")
+    if args.draft is not None and args.decode != "greedy":
+        raise UsageError(f"--draft decodes greedily (the same text in fewer passes): not with --decode {args.decode}"
+                         + (f" --beam-size {args.beam_size}" if args.decode == "beam" else ""))
+    _check_draft_option(args.draft, ("ctc", "ngram"))
     if args.format in ("srt", "vtt") and len(args.files) > 1 and args.output_dir is None:
         raise UsageError(f"--format {args.format} is one document per file: give --output-dir DIR for "
                          f"{len(args.files)} files")
@@ -203,11 +214,20 @@ def _transcribe(args: argparse.Namespace) -> int:
         if args.timestamps == "ctc" and not config.get("ctc"):
             raise UsageError(f"--timestamps ctc: {checkpoint} has no CTC head (trained with ctc_weight=0); "
                              "use --timestamps attention")
+        if args.decode in ("ctc", "mask-ctc") and (prefix_lm or not config.get("ctc")):
+            raise UsageError(f"--decode {args.decode}: {checkpoint} has no CTC head (trained with ctc_weight=0); use "
+                             "--decode greedy or beam")
+        if args.decode == "mask-ctc" and not config.get("mask_token"):
+            raise UsageError(f"--decode mask-ctc: {checkpoint} was not trained for it (no masked-LM objective: "
+                             "recipes/whisper.py --set mask_weight=0.5 trains one); use --decode ctc, greedy or beam")
+        if args.timestamps == "tokens" and args.decode in ("ctc", "mask-ctc"):
+            raise UsageError(f"--decode {args.decode} writes no timestamp tokens: use --timestamps ctc or auto")
         results = transcribe_files(checkpoint, args.files, beam_size=args.beam_size,
                                    length_penalty=args.length_penalty, batch_size=args.batch_size, device=args.device,
                                    max_new_tokens=args.max_new_tokens, return_exceptions=True, timestamps=timed,
                                    timing={"method": args.timestamps, "keep_alignment": bool(pictures)},
-                                   draft=args.draft, draft_tokens=args.draft_tokens)
+                                   draft=args.draft, draft_tokens=args.draft_tokens, decode=args.decode,
+                                   iterations=args.iterations)
         if pictures:
             from omni.alignment_plot import write_alignment_png
             from omni.export import load_tokenizers
@@ -255,6 +275,15 @@ def _transcribe(args: argparse.Namespace) -> int:
                          emit=save if args.output_dir is not None or args.format in ("srt", "vtt") else None)
 
 
+def _check_draft_option(draft: str | None, names: Sequence[str]) -> None:
+    """--draft is one of ``names`` or an export directory (a draft model): else one line."""
+    if draft is None or draft in names:
+        return
+    if not Path(draft).is_dir():
+        raise UsageError(f"--draft {draft}: not {' or '.join(names)} and no such export directory (a smaller model "
+                         "with the same vocabulary)")
+
+
 def _convert(args: argparse.Namespace) -> int:
     """omni convert SRC OUT (a peer checkpoint -> an export) or --to PEER EXPORT OUT; prints OUT."""
     from omni.interop import ConversionError, convert, to_peer
@@ -296,13 +325,24 @@ def _generate(args: argparse.Namespace) -> int:
                          else f"cannot load the export {args.checkpoint}: {message}") from exc
     if args.draft is not None and args.temperature > 0:
         raise UsageError("--draft decodes greedily (the same text in fewer passes): not with --temperature > 0")
-    from omni.speculative import DraftStats
+    _check_draft_option(args.draft, ("ngram",))
+    from omni.speculative import DraftStats, check_draft_vocabulary
 
+    draft: Any = args.draft
+    if draft is not None and draft != "ngram":
+        try:
+            draft_dir = resolve_export_dir(draft)
+            draft = load_lm(draft_dir, device=device, head=generation_head(load_config(draft_dir), None,
+                                                                           where=str(draft_dir), option="--draft"))
+            check_draft_vocabulary(lm.tokenizer, draft.tokenizer, args.draft)
+        except _export_errors() as exc:
+            message = one_line(exc)
+            raise UsageError(message if message.startswith("--draft") else f"--draft {args.draft}: {message}") from exc
     stats = DraftStats()
     try:
         prompts = [lm.encode(text) for text in args.prompts]
         outputs = generate_ids(lm, prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                               top_k=args.top_k, seed=args.seed, draft=args.draft, draft_tokens=args.draft_tokens,
+                               top_k=args.top_k, seed=args.seed, draft=draft, draft_tokens=args.draft_tokens,
                                stats=stats)
     except ValueError as exc:  # a prompt too long for the model, top-k without sampling
         raise UsageError(one_line(exc)) from exc
@@ -386,9 +426,16 @@ def build_parser() -> argparse.ArgumentParser:
                    "(a converted Whisper's: score / length, as whisper.decode; omni's models: GNMT 1.0)")
     p.add_argument("--batch-size", type=_positive_int, default=16, help="30 s windows decoded together")
     p.add_argument("--max-new-tokens", type=_positive_int, default=224, help="most tokens per 30 s window")
-    p.add_argument("--draft", choices=("ctc", "ngram"), default=None, help="speculative decoding, the greedy text in "
+    p.add_argument("--decode", choices=("greedy", "beam", "ctc", "mask-ctc"), default=None,
+                   help="greedy (default), beam (--beam-size, default 5), ctc (the CTC head's own text: no decoder "
+                   "pass; word times from CTC), mask-ctc (the CTC text's unsure tokens re-predicted by the decoder in "
+                   "--iterations parallel passes; needs an export trained with mask_weight > 0)")
+    p.add_argument("--iterations", type=number(int, at_least=1, below=65), default=None,  # mask_ctc.MAX_ITERATIONS
+                   help="--decode mask-ctc: decoder passes that fill the masked tokens, 1 .. 64 (default: 3)")
+    p.add_argument("--draft", metavar="ctc|ngram|PATH", default=None, help="speculative decoding, the greedy text in "
                    "fewer sequential decoder passes: ctc drafts with the export's CTC head, ngram by copying what "
-                   "followed the last words earlier in the text")
+                   "followed the last words earlier in the text, PATH: a smaller speech export with the same "
+                   "vocabulary and audio features drafts")
     p.add_argument("--draft-tokens", type=number(int, at_least=1, below=33), default=4,  # speculative.MAX_DRAFT_TOKENS
                    help="tokens drafted and verified per pass with --draft, 1 .. 32 (default: 4)")
     p.add_argument("files", nargs="+", help="audio files (WAV, FLAC, MP3, OGG ...): any sample rate, channels, length")
@@ -438,8 +485,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=_positive_int, default=None, help="sample among the k most likely tokens only")
     p.add_argument("--seed", type=int, default=None, help="seed of the sampling (default: a fresh one)")
     p.add_argument("--head", default=None, help="the text LM head to use (an LM task's), when the export has several")
-    p.add_argument("--draft", choices=("ngram",), default=None, help="speculative decoding, the greedy text in fewer "
-                   "sequential passes: ngram drafts by copying what followed the last words earlier in the prompt")
+    p.add_argument("--draft", metavar="ngram|PATH", default=None, help="speculative decoding, the greedy text in "
+                   "fewer sequential passes: ngram drafts by copying what followed the last words earlier in the "
+                   "prompt; PATH: a smaller text LM export with the same vocabulary drafts")
     p.add_argument("--draft-tokens", type=number(int, at_least=1, below=33), default=4,  # speculative.MAX_DRAFT_TOKENS
                    help="tokens drafted and verified per pass with --draft, 1 .. 32 (default: 4)")
     p.add_argument("prompts", nargs="+", metavar="prompt", help="text to continue ('' starts a new document)")

@@ -35,7 +35,7 @@ from torch import Tensor, nn
 from omni.decoding import CachedInference, Decoding, DecodingOptions, FullInference, Greedy
 from omni.interfaces import CausalLM
 from omni.model import OmniModel
-from omni.speculative import Drafter, DraftStats, PromptLookup, speculative_decode
+from omni.speculative import Drafter, DraftModel, DraftStats, PromptLookup, speculative_decode
 from omni.tokenizers.text import TextTokenizer
 from omni.trunk import KVCache
 
@@ -182,13 +182,14 @@ class Sampler:
 @torch.no_grad()
 def generate_ids(lm: CausalLM, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 64,
                  temperature: float = 0.0, top_k: int | None = None, seed: int | None = None,
-                 min_new_tokens: int = 0, use_cache: bool = True, draft: Drafter | str | None = None,
+                 min_new_tokens: int = 0, use_cache: bool = True, draft: Drafter | CausalLM | str | None = None,
                  draft_tokens: int = 4, stats: DraftStats | None = None) -> list[list[int]]:
     """The generated ids of every prompt (ids, each at least one), prompt and eos excluded. ``temperature`` 0 is
     greedy (``top_k`` and ``seed`` then have nothing to do and are refused); > 0 samples (``Sampler``).
     ``use_cache=False`` recomputes every row whole each step (the reference the cached path matches).
     ``draft``: speculative greedy decoding (omni.speculative; the same tokens in fewer sequential passes) with a
-    ``Drafter`` or "ngram" (prompt lookup), ``draft_tokens`` proposed per pass, ``stats`` a ``DraftStats`` to fill.
+    ``Drafter``, "ngram" (prompt lookup) or a smaller CausalLM sharing the vocabulary (``DraftModel``),
+    ``draft_tokens`` proposed per pass, ``stats`` a ``DraftStats`` to fill.
     The model runs in the mode it is in (``load_lm`` returns it in eval mode)."""
     if not prompts:
         return []
@@ -215,9 +216,14 @@ def generate_ids(lm: CausalLM, prompts: Sequence[Sequence[int]], *, max_new_toke
         if temperature > 0 or not use_cache:
             raise ValueError("draft decoding is greedy through the KV cache: not with temperature > 0 or "
                              "use_cache=False")
-        drafter = PromptLookup(prompts) if draft == "ngram" else draft
-        if not isinstance(drafter, Drafter):
-            raise ValueError(f"draft must be 'ngram' or a Drafter (omni.speculative), got {draft!r}")
+        if draft == "ngram":
+            drafter: Drafter = PromptLookup(prompts)
+        elif isinstance(draft, Drafter):
+            drafter = draft
+        elif callable(getattr(draft, "features", None)):  # a smaller CausalLM (TextLM) sharing the vocabulary
+            drafter = DraftModel(PromptedLM(draft), ids, mask)
+        else:
+            raise ValueError(f"draft must be 'ngram', a Drafter (omni.speculative) or a CausalLM, got {draft!r}")
         return speculative_decode(model, ids, mask, drafter=drafter, draft_tokens=draft_tokens, stats=stats,
                                   max_new_tokens=max_new_tokens, tokens_per_second=None, max_repeats=None,
                                   min_new_tokens=min_new_tokens)

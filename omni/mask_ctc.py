@@ -187,7 +187,7 @@ def ctc_decode(model: Any, text_tok: Any, stats: MaskCTCStats | None = None) -> 
     """A ``decode_batch(parallel=...)`` strategy: the CTC head's best path, re-tokenised into decoder ids."""
     head = getattr(model, "ctc_head", None)
     if head is None:
-        raise ValueError("--decode ctc reads the CTC head: this model has none (trained with ctc_weight=0); use "
+        raise ValueError("--decode ctc reads the CTC head: this model has no CTC head (trained with ctc_weight=0); use "
                          "--decode greedy or beam")
 
     def run(memory: Tensor, audio_mask: Tensor | None) -> list[list[int]]:

@@ -24,8 +24,10 @@ clock t = the row's length + j: ``omni.decoding``'s filters and repetition guard
 
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import dataclass
-from typing import Protocol, Sequence, runtime_checkable
+from typing import Any, Protocol, Sequence, runtime_checkable
 
 import torch
 from torch import Tensor
@@ -205,6 +207,26 @@ class DraftStats:
         return self.accepted / self.proposed if self.proposed else 0.0
 
 
+def vocabulary_fingerprint(text_tok: Any) -> tuple[int, str]:
+    """(vocabulary size, sha256 of every token and its id, special tokens included): two tokenizers with equal
+    fingerprints turn the same ids into the same text, which a draft model's tokens need."""
+    vocab = sorted(text_tok.hf.get_vocab(with_added_tokens=True).items(), key=lambda kv: kv[1])
+    digest = hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode()).hexdigest()
+    return int(text_tok.vocab_size), digest
+
+
+def check_draft_vocabulary(text_tok: Any, draft_tok: Any, draft: str, option: str = "--draft") -> None:
+    """ValueError (one line naming ``option``) unless the draft model's text tokenizer has the same vocabulary: the
+    same size and the same tokens at the same ids (``vocabulary_fingerprint``)."""
+    (n, mine), (m, theirs) = vocabulary_fingerprint(text_tok), vocabulary_fingerprint(draft_tok)
+    if n != m:
+        raise ValueError(f"{option} {draft}: its vocabulary has {m} tokens, this model's {n}: a draft model must share "
+                         "the vocabulary (a smaller model trained with the same tokenizer, or use --draft ngram)")
+    if mine != theirs:
+        raise ValueError(f"{option} {draft}: its {m} tokens are not this model's (another tokenizer of the same size): "
+                         "a draft model must share the vocabulary (or use --draft ngram)")
+
+
 def check_draft_tokens(k: int) -> int:
     if not 1 <= k <= MAX_DRAFT_TOKENS:
         raise ValueError(f"draft tokens must be 1 .. {MAX_DRAFT_TOKENS}, got {k}")
@@ -339,4 +361,5 @@ def _accept(greedy: Greedy, filters: list, logits: Tensor, drafts: Tensor, offer
 
 
 __all__ = ["DraftModel", "DraftStats", "Drafter", "MAX_DRAFT_TOKENS", "PromptLookup", "Reference", "Verifiable",
-           "check_draft_tokens", "continuation", "speculative_decode"]
+           "check_draft_tokens", "check_draft_vocabulary", "continuation", "speculative_decode",
+           "vocabulary_fingerprint"]

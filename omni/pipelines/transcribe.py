@@ -41,13 +41,15 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from omni.decoding import Ranker, WhisperRanker, decode_scored
-from omni.export import load_config, load_pretrained, load_tokenizers
+from omni.console import one_line
+from omni.export import load_config, load_pretrained, load_tokenizers, resolve_export_dir
 from omni.export_kinds import speech_task
 from omni.interfaces import Seq2SeqDecoder
 from omni.pipelines.timing import time_windows, timing_method
-from omni.speculative import check_draft_tokens
-from omni.speech import (SILENCE_PEAK, TASK, SpeechRecognizer, ctc_draft, decode_batch, ngram_draft, pad_audio,
-                         timestamp_segments)
+from omni.mask_ctc import check_iterations, ctc_decode, mask_ctc_decode
+from omni.speculative import check_draft_tokens, check_draft_vocabulary
+from omni.speech import (SILENCE_PEAK, TASK, SpeechRecognizer, ctc_draft, decode_batch, model_draft, ngram_draft,
+                         pad_audio, timestamp_segments)
 from omni.prefix_lm import PrefixLMTranscriber
 from omni.timestamps import (Method, TimedSegment, TimedTranscript, WordTiming, segment_words, token_char_ends,
                              transcript_words)
@@ -651,11 +653,36 @@ def transcribe_whisper(model: SpeechRecognizer, audio_tok: AudioTokenizer, text_
     return out
 
 
+DECODE_MODES = ("greedy", "beam", "ctc", "mask-ctc")
+
+
+def load_draft_recognizer(draft: str | os.PathLike, audio_tok: AudioTokenizer, text_tok: Any,
+                          device: torch.device | str) -> SpeechRecognizer:
+    """A draft model for speculative transcription (``--draft PATH``): a speech recognition export whose text
+    vocabulary and audio features are this model's (ValueError in one line naming --draft otherwise), in eval mode
+    on ``device``."""
+    try:
+        draft = resolve_export_dir(draft)  # a run directory: its export
+        draft_model, draft_audio, draft_text = recognizer(draft, device)
+    except (OSError, KeyError, ValueError) as exc:
+        raise ValueError(f"--draft {os.fspath(draft)}: not a speech recognition export ({one_line(exc)})") from exc
+    if not isinstance(draft_model, SpeechRecognizer):
+        raise ValueError(f"--draft {os.fspath(draft)}: a draft model is a speech recognition export "
+                         "(recipes/whisper.py, omni convert of a Whisper)")
+    check_draft_vocabulary(text_tok, draft_text, os.fspath(draft))
+    if draft_audio.config() != audio_tok.config():
+        raise ValueError(f"--draft {os.fspath(draft)}: its audio features ({draft_audio.config()}) are not this "
+                         "model's: a draft model encodes the same audio tokens")
+    return draft_model
+
+
 def transcribe_files(checkpoint: str | os.PathLike, files: Sequence[str | os.PathLike], *, beam_size: int = 1,
                      length_penalty: float | None = None, batch_size: int = 16, device: str | None = None,
                      max_new_tokens: int = 224, return_exceptions: bool = False, timestamps: bool = False,
                      timing: dict[str, Any] | None = None, windows: str = "auto",
-                     whisper: WhisperSeek | None = None, draft: str | None = None, draft_tokens: int = 4) -> list[Any]:
+                     whisper: WhisperSeek | None = None, draft: str | os.PathLike | None = None, draft_tokens: int = 4,
+                     decode: str | None = None, iterations: int | None = None,
+                     stats: Any = None) -> list[Any]:
     """Transcribe audio files (WAV, FLAC, MP3, OGG ...; any rate, channels, length) with a speech recognition
     export (recipes/whisper.py, a converted Whisper) or the transcribe task of a multitask export
     (recipes/multimodal.py). Every file is read and checked first, so a bad file fails before any decoding, naming
@@ -672,13 +699,28 @@ def transcribe_files(checkpoint: str | os.PathLike, files: Sequence[str | os.Pat
     length_penalty (whisper's meaning) and max_new_tokens as sample_len) or "pauses" (omni's ``PauseWindows``, each
     window decoded alone: ``whisper.decode`` per window).
 
-    ``draft``: "ctc" (the export's CTC head drafts) or "ngram" (the text so far does): speculative decoding of the
-    windows (omni.speculative: greedy's text in fewer decoder passes), ``draft_tokens`` per pass; greedy only."""
+    ``draft``: "ctc" (the export's CTC head drafts), "ngram" (the text so far does) or a draft model's export
+    directory (a smaller speech model with the same vocabulary and audio features): speculative decoding of the
+    windows (omni.speculative: greedy's text in fewer decoder passes), ``draft_tokens`` per pass; greedy only.
+
+    ``decode``: None (greedy, or beam search when beam_size > 1), "greedy", "beam", "ctc" (the CTC head's own best
+    path, re-tokenised: omni.mask_ctc.ctc_decode) or "mask-ctc" (the CTC text's unsure tokens re-predicted by the
+    decoder's masked LM in ``iterations`` passes, default 3: omni.mask_ctc). ``stats``: a DraftStats (draft) or
+    MaskCTCStats (ctc / mask-ctc) filled in place."""
+    decode = decode or ("beam" if beam_size > 1 else "greedy")
+    if decode not in DECODE_MODES:
+        raise ValueError(f"decode must be one of {', '.join(DECODE_MODES)}, got {decode!r}")
+    if decode == "greedy" and beam_size != 1:
+        raise ValueError(f"decode 'greedy' has no beam: beam_size {beam_size} is decode 'beam'")
+    if decode in ("ctc", "mask-ctc") and beam_size != 1:
+        raise ValueError(f"decode {decode!r} has no beam: beam_size must be 1, got {beam_size}")
+    if iterations is not None:
+        if decode != "mask-ctc":
+            raise ValueError(f"iterations are Mask-CTC's passes: decode 'mask-ctc', not {decode!r}")
+        check_iterations(iterations)
     if draft is not None:
-        if draft not in ("ctc", "ngram"):
-            raise ValueError(f"draft must be ctc or ngram, got {draft!r}")
-        if beam_size != 1:
-            raise ValueError(f"draft decoding is greedy: beam_size must be 1, got {beam_size}")
+        if decode != "greedy" or beam_size != 1:
+            raise ValueError(f"draft decoding is greedy's text in fewer passes: not with decode {decode!r}")
         check_draft_tokens(draft_tokens)
     for option, value in (("beam_size", beam_size), ("batch_size", batch_size), ("max_new_tokens", max_new_tokens)):
         if value < 1:
@@ -724,10 +766,25 @@ def transcribe_files(checkpoint: str | os.PathLike, files: Sequence[str | os.Pat
             raise ValueError(f"{os.fspath(checkpoint)}: draft decoding runs on omni's pause windows; this export "
                              "is transcribed by whisper.transcribe's loop (windows 'whisper')")
         try:
-            source = ctc_draft(model, text_tok) if draft == "ctc" else ngram_draft
+            if draft in ("ctc", "ngram"):
+                source = ctc_draft(model, text_tok) if draft == "ctc" else ngram_draft
+            else:
+                source = model_draft(load_draft_recognizer(draft, audio_tok, text_tok, next(model.parameters()).device))
         except ValueError as exc:
             raise ValueError(f"{os.fspath(checkpoint)}: {exc}") from exc
-        batch.update(draft=source, draft_tokens=draft_tokens)
+        batch.update(draft=source, draft_tokens=draft_tokens, draft_stats=stats)
+    if decode in ("ctc", "mask-ctc"):
+        if seek is not None:
+            raise ValueError(f"{os.fspath(checkpoint)}: --decode {decode} runs on omni's pause windows; this export "
+                             "is transcribed by whisper.transcribe's loop (windows 'whisper')")
+        if tokens:
+            raise ValueError(f"--decode {decode} writes no timestamp tokens: time it with --timestamps ctc or auto")
+        try:
+            parallel = (ctc_decode(model, text_tok, stats) if decode == "ctc" else
+                        mask_ctc_decode(model, text_tok, iterations or 3, stats=stats))
+        except ValueError as exc:
+            raise ValueError(f"{os.fspath(checkpoint)}: {exc}") from exc
+        batch.update(parallel=parallel)
     out: list[Any]
     if tokens:
         keep = bool((timing or {}).get("keep_alignment", False))
@@ -752,7 +809,7 @@ def transcribe_files(checkpoint: str | os.PathLike, files: Sequence[str | os.Pat
 
 
 __all__ = [
-    "BatchDecode", "Cursor", "PauseWindows", "Parts", "TEMPERATURES", "WhisperDecode", "WhisperSeek",
+    "BatchDecode", "Cursor", "DECODE_MODES", "PauseWindows", "Parts", "TEMPERATURES", "WhisperDecode", "WhisperSeek",
     "WhisperTranscript", "Window", "WindowPolicy", "WindowResult", "decode_windows", "load_recognizer", "long_form",
     "read_audio_file", "recognizer", "split_windows", "transcribe_files", "transcribe_timed",
     "transcribe_timestamp_tokens", "transcribe_waveforms", "transcribe_whisper",
