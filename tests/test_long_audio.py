@@ -145,3 +145,14 @@ def test_models_that_cannot_take_one_pass_are_refused_in_one_line():
         check_one_pass(speech_model(audio_positions="sinusoidal"), tok)
     with pytest.raises(ValueError, match="CTC head"):
         check_one_pass(speech_model(ctc=False), tok)
+
+
+def test_rope_with_a_window_holds_an_hour_in():
+    """The encoder's positions are RoPE's (relative): the same tokens 120,000 places in (an hour at 33 Hz) give the
+    same states as at the start, so a model trained on 1-15 s clips reads the hour's end as it reads its start."""
+    model = speech_model()
+    x = torch.randn(1, 300, model.encoder.cfg.d_model, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        start = model.encoder(x)
+        later = model.encoder(x, torch.arange(120_000, 120_300)[None])
+    assert (start - later).abs().max().item() <= 1e-5
