@@ -6,6 +6,7 @@ option checks."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -411,3 +412,95 @@ def test_benchmark_dry_run(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert {r["drafter"] for r in rows} == {"greedy", "oracle", "wrong", "ctc"} and all(r["identical"] for r in rows)
     assert min(r["passes"] for r in rows if r["drafter"] == "oracle") < rows[0]["passes"]
+
+
+def _swapped_vocabulary(text: TextTokenizer) -> TextTokenizer:
+    """The same size of vocabulary, two tokens' ids swapped: another tokenizer a size check alone would let through."""
+    from tokenizers import Tokenizer
+
+    data = json.loads(text.hf.to_str())
+    vocab = data["model"]["vocab"]
+    a, b = list(vocab)[300], list(vocab)[301]
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    return TextTokenizer.from_hf(Tokenizer.from_str(json.dumps(data)))
+
+
+def test_cli_transcribe_draft_model(speech, tmp_path, capsys):
+    """omni transcribe --draft PATH (a smaller random speech export with the vocabulary) prints greedy's text; a
+    draft with another vocabulary (size, or the same size with other tokens) or other audio features is one line."""
+    import soundfile as sf
+
+    from _interop import cli_error
+
+    from omni.cli import main
+    from omni.export import save_pretrained
+
+    model, text, _, _ = speech
+    audio = AudioTokenizer()
+    config = {"builder": "omni.speech:build_speech_recognizer", "encoder": preset("tiny").to_dict(),
+              "decoder": preset("tiny", cross_attention=True).to_dict(), "ctc": True}
+    main_dir = save_pretrained(model, tmp_path / "main", config, tokenizers={"audio": audio, "text": text})
+    small_enc, small_dec = preset("tiny", n_layers=1), preset("tiny", n_layers=1, cross_attention=True)
+    small_config = {**config, "encoder": small_enc.to_dict(), "decoder": small_dec.to_dict(), "ctc": False}
+    torch.manual_seed(3)
+    small = perturbed(SpeechRecognizer(audio, text, small_enc, small_dec), 0.6)
+    draft_dir = save_pretrained(small, tmp_path / "draft", small_config, tokenizers={"audio": audio, "text": text})
+    other = _swapped_vocabulary(text)
+    swapped = save_pretrained(SpeechRecognizer(audio, other, small_enc, small_dec), tmp_path / "swapped",
+                              small_config, tokenizers={"audio": audio, "text": other})
+    g = torch.Generator().manual_seed(4)
+    files = []
+    for i, seconds in enumerate((0.8, 1.3)):
+        files.append(str(tmp_path / f"clip{i}.wav"))
+        sf.write(files[-1], (torch.randn(int(16000 * seconds), generator=g) * 0.1).numpy(), 16000)
+    base = ["transcribe", "--checkpoint", str(main_dir), "--device", "cpu", "--format", "json"]
+    assert main(base + files) == 0
+    greedy = json.loads(capsys.readouterr().out)
+    assert any(row["text"] for row in greedy)
+    for draft in (draft_dir, main_dir):  # a random small draft (few accepted) and a perfect one
+        assert main(base + ["--draft", str(draft), "--draft-tokens", "3"] + files) == 0
+        assert json.loads(capsys.readouterr().out) == greedy
+    err = cli_error(base + ["--draft", str(swapped), files[0]], capsys, prog=None)
+    assert "--draft" in err and "not this model's" in err
+    stride3 = AudioTokenizer(stride=3)
+    strided = save_pretrained(small, tmp_path / "strided", small_config, tokenizers={"audio": stride3, "text": text})
+    err = cli_error(base + ["--draft", str(strided), files[0]], capsys, prog=None)
+    assert "--draft" in err and "audio features" in err
+    err = cli_error(base + ["--draft", str(tmp_path / "nowhere"), files[0]], capsys, prog=None)
+    assert "--draft" in err and "ctc or ngram" in err
+
+
+def test_draft_vocabulary_size(speech):
+    """A draft tokenizer of another size is named with both sizes."""
+    from omni.speculative import check_draft_vocabulary
+
+    _, text, _, _ = speech
+    small = TextTokenizer().fit(["the cat sat on the mat", "a red ball"] * 20, vocab_size=300)
+    with pytest.raises(ValueError, match=rf"--draft d: its vocabulary has {small.vocab_size} tokens, this model's "
+                                         rf"{text.vocab_size}"):
+        check_draft_vocabulary(text, small, "d")
+    check_draft_vocabulary(text, TextTokenizer(), "d")  # the same tokens: no error
+
+
+def test_cli_generate_draft_model(tmp_path, capsys):
+    """omni generate --draft PATH: a smaller random GPT-2 with the vocabulary drafts; the text is greedy's."""
+    pytest.importorskip("transformers")
+    from _interop import cli_error
+    from test_interop_gpt2 import PROMPTS, hf_model
+
+    from omni.cli import main
+    from omni.interop import convert
+
+    hf_model().save_pretrained(tmp_path / "hf")
+    hf_model(seed=7, n_layer=1).save_pretrained(tmp_path / "hf_small")
+    export = convert(tmp_path / "hf", tmp_path / "omni")
+    small = convert(tmp_path / "hf_small", tmp_path / "omni_small")
+    base = ["generate", "--checkpoint", str(export), "--max-new-tokens", "12", "--format", "json"]
+    assert main(base + PROMPTS) == 0
+    greedy = json.loads(capsys.readouterr().out)
+    for draft in (small, export):
+        assert main(base + ["--draft", str(draft), "--draft-tokens", "3"] + PROMPTS) == 0
+        out = capsys.readouterr()
+        assert json.loads(out.out) == greedy
+        assert f"--draft {draft}:" in out.err
+    assert "--draft" in cli_error(base + ["--draft", str(tmp_path / "nowhere"), "x"], capsys, prog=None)
