@@ -4,6 +4,15 @@ and whether the ids are identical, per model kind, drafter, draft length k and b
     python benchmarks/draft_decoding.py                    # CPU, the default sizes (a few minutes on 2 cores)
     python benchmarks/draft_decoding.py --dry-run          # toy sizes: checks the script, measures nothing
     python benchmarks/draft_decoding.py --json out.json    # the rows as JSON too
+    python benchmarks/draft_decoding.py --export runs/whisper-cpu-mask/final --data data/speech-synth-cpu
+                                                           # a trained export on its test split: greedy,
+                                                           # speculative, Mask-CTC at N = 1, 3, 10, CTC alone
+
+With --export (a trained speech export; ``--data`` its dataset, the split ``--split``, the first ``--limit`` clips):
+every decoding of the same clips at batch 1 and 16, with sequential decoder passes per output token (the
+encoder's one pass not counted: every row has it), output tokens per CPU-s and per wall-s (encoder included), and
+corpus CER / WER against the references (omni.speech.error_rates). Mask-CTC rows need an export trained with
+mask_weight > 0, the ctc rows a CTC head; ``--draft-export`` adds a draft-model row.
 
 Models (random weights: no trained export ships with the repository, and none can be downloaded here):
 
@@ -176,6 +185,93 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def test_clips(data: str, split: str, limit: int) -> tuple[list[torch.Tensor], list[str]]:
+    """The first ``limit`` (waveform, transcript) pairs of a speech dataset's split, in shard order."""
+    from omni.data.reader import ShardLoader
+    from omni.tokenizers.audio import load_audio
+
+    def decode(sample: dict) -> tuple[torch.Tensor, str]:
+        field = next(f for f in ("flac", "wav", "mp3", "ogg") if f in sample)
+        return load_audio(sample[field], sample_rate=16000, key=sample["__key__"]), sample["txt"].decode().strip()
+
+    loader = ShardLoader(data, decode, list, batch_size=limit, split=split, rank=0, world_size=1, shuffle=False,
+                         kind="speech")
+    clips = next(iter(loader))[:limit]
+    return [w for w, _ in clips], [t for _, t in clips]
+
+
+def trained(args: argparse.Namespace) -> list[dict]:
+    """Every decoding of a trained export on its test clips (module docstring)."""
+    from omni.mask_ctc import MaskCTCStats, ctc_decode, mask_ctc_decode
+    from omni.pipelines.transcribe import load_draft_recognizer, load_recognizer
+    from omni.speech import decode_batch, error_rates, model_draft, ngram_draft, pad_audio
+
+    model, audio_tok, text_tok = load_recognizer(args.export, "cpu")
+    model.eval()
+    waves, refs = test_clips(args.data, args.split, args.limit)
+    tokens = [audio_tok.encode((w, audio_tok.sample_rate)).tokens for w in waves]
+    order = sorted(range(len(tokens)), key=lambda i: tokens[i].shape[0])  # as omni transcribe batches
+    trained_mask = model.mask_id is not None
+    modes: list[tuple[str, Callable[[], dict]]] = [("greedy", lambda: {})]
+    modes += [(f"speculative ctc k={k}", lambda k=k: dict(draft=ctc_draft(model, text_tok), draft_tokens=k,
+                                                          draft_stats=DraftStats())) for k in (4,)]
+    modes.append(("speculative ngram k=4", lambda: dict(draft=ngram_draft, draft_tokens=4, draft_stats=DraftStats())))
+    if args.draft_export:
+        small = load_draft_recognizer(args.draft_export, audio_tok, text_tok, "cpu").eval()
+        modes.append(("speculative draft model k=4", lambda: dict(draft=model_draft(small), draft_tokens=4,
+                                                                  draft_stats=DraftStats())))
+    if trained_mask:
+        def masked(n: int) -> dict:
+            stats = MaskCTCStats()
+            return dict(parallel=mask_ctc_decode(model, text_tok, n, args.threshold, stats=stats), _stats=stats)
+
+        modes += [(f"mask-ctc N={n}", lambda n=n: masked(n)) for n in (1, 3, 10)]
+    modes.append(("ctc", lambda: dict(parallel=ctc_decode(model, text_tok))))
+    rows = []
+    for batch in args.batches:
+        for name, make in modes:
+            counted = Counted(model)
+            hyps: dict[int, str] = {}
+            passes = out_tokens = 0
+            wall = cpu = 0.0
+            for lo in range(0, len(order), batch):
+                chunk = order[lo:lo + batch]
+                x, mask = pad_audio([tokens[i] for i in chunk])
+                options = make()
+                mstats = options.pop("_stats", None)
+                counted.passes = 0
+                with torch.no_grad():
+                    ids, w, c = timed(lambda: decode_batch(counted, x, mask, max_new_tokens=args.max_new_tokens,
+                                                           **options), 1)
+                stats = options.get("draft_stats") or mstats
+                passes += counted.passes + (mstats.passes if mstats is not None else 0)
+                wall, cpu = wall + w, cpu + c
+                out_tokens += sum(len(r) + (0 if "parallel" in options else 1) for r in ids)  # greedy's eos a token
+                for i, r in zip(chunk, ids):
+                    hyps[i] = text_tok.decode(r)
+            rates = error_rates(refs, [hyps[i] for i in range(len(refs))])
+            rows.append(dict(mode=name, batch=batch, passes=passes, tokens=out_tokens, seconds=wall, cpu_seconds=cpu,
+                             cer=rates["cer"], wer=rates["wer"], stats=None if stats is None else vars(stats)))
+            r = rows[-1]
+            print(f"b{batch:<3d} {name:28s} passes/token {passes * batch / out_tokens:.3f}  {out_tokens / cpu:7.0f} tok/CPU-s "
+                  f"CER {100 * r['cer']:.1f}%  WER {100 * r['wer']:.1f}%", file=sys.stderr)
+    return rows
+
+
+def trained_table(rows: list[dict]) -> str:
+    greedy = {r["batch"]: r for r in rows if r["mode"] == "greedy"}
+    lines = ["| batch | decoding | sequential decoder passes / token | tokens / CPU-s | vs greedy | tokens / wall-s | "
+             "CER | WER |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        g = greedy[r["batch"]]
+        speed = (r["tokens"] / r["cpu_seconds"]) / (g["tokens"] / g["cpu_seconds"])
+        # per row: a batch's pass serves every row of it
+        lines.append(f"| {r['batch']} | {r['mode']} | {r['passes'] * r['batch'] / r['tokens']:.3f} | "
+                     f"{r['tokens'] / r['cpu_seconds']:.0f} | {speed:.2f}x | {r['tokens'] / r['seconds']:.0f} | "
+                     f"{100 * r['cer']:.1f}% | {100 * r['wer']:.1f}% |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dry-run", action="store_true", help="toy sizes: checks the script, measures nothing")
@@ -184,11 +280,31 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=None, help="timed runs per row, the best kept (default 3; dry 1)")
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     ap.add_argument("--json", default=None, help="also write the rows to this JSON file")
+    ap.add_argument("--export", default=None, help="a trained speech export: its test clips, every decoding")
+    ap.add_argument("--data", default="data/speech-synth-cpu", help="--export: the dataset directory")
+    ap.add_argument("--split", default="test", help="--export: the split decoded")
+    ap.add_argument("--limit", type=int, default=200, help="--export: the first N clips")
+    ap.add_argument("--max-new-tokens", type=int, default=48, help="--export: the recipe's eval limit")
+    ap.add_argument("--threshold", type=float, default=None, help="--export: Mask-CTC's confidence threshold")
+    ap.add_argument("--draft-export", default=None, help="--export: a smaller speech export that drafts")
     args = ap.parse_args(argv)
     args.batches = args.batches or ([1, 3] if args.dry_run else [1, 16])
     args.repeats = args.repeats or (1 if args.dry_run else 3)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.export:
+        from omni.mask_ctc import DEFAULT_THRESHOLD
+
+        args.threshold = DEFAULT_THRESHOLD if args.threshold is None else args.threshold
+        rows = trained(args)
+        header = (f"{datetime.date.today()}, {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
+                  f"torch {torch.__version__}, {torch.get_num_threads()} threads; {args.export} on the first "
+                  f"{args.limit} clips of {args.data} {args.split}; Mask-CTC threshold {args.threshold}")
+        print(header)
+        print(trained_table(rows))
+        if args.json:
+            write_atomic(args.json, json.dumps({"header": header, "rows": rows}, indent=1))
+        return 0
     rows = run(args)
     header = (f"{datetime.date.today()}, {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
               f"torch {torch.__version__}, {torch.get_num_threads()} threads")
