@@ -15,6 +15,8 @@ and each sentence's true start / end (the first / last sample of its rendering a
 Methods (the same model and CTC head, greedy):
   one_pass  omni.pipelines.long_audio.one_pass: the front end in chunks, ONE encoder pass over the recording, CTC
             greedy text, CTC word times over pieces of at most 30 s (absolute)
+  spans     one_pass(span_seconds=300): the trunk over 5-minute spans, each with the encoder's receptive field
+            (layers x window) of context either side: the same states, the encoder's memory held for one span
   windows   omni transcribe's windows (``split_windows``: at most 30 s, cut at the quietest frame of the last 5 s),
             each window tokenised, encoded and CTC-decoded alone, its word times offset by its start
 
@@ -43,7 +45,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-METHODS = ("one_pass", "windows")
+METHODS = ("one_pass", "spans", "windows")
+SPAN_SECONDS = 300.0  # the spans method: the encoder over 5-minute spans with its receptive field of context
 MINUTES = (1, 10, 60)
 SAMPLE_RATE = 16000
 
@@ -175,7 +178,10 @@ def point(method: str, checkpoint: str, wav: Path) -> dict[str, Any]:
     before = _rss_kb("VmRSS")
     cpu0, t0 = time.process_time(), time.perf_counter()
     with torch.no_grad():
-        text, words = one_pass(model, audio_tok, wave) if method == "one_pass" else windowed(model, audio_tok, wave)
+        if method == "windows":
+            text, words = windowed(model, audio_tok, wave)
+        else:
+            text, words = one_pass(model, audio_tok, wave, span_seconds=SPAN_SECONDS if method == "spans" else None)
     seconds, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     peak = _rss_kb("VmHWM")
     return {"method": method, "seconds": seconds, "cpu_seconds": cpu, "peak_extra_mib": (peak - before) / 1024,

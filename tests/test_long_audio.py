@@ -9,10 +9,11 @@ import pytest
 import torch
 from torch.nn.attention.flex_attention import BlockMask
 
+import omni.pipelines.long_audio
 import omni.trunk
 from omni.asr_text import CTC_BLANK, ctc_greedy_decode
 from omni.pipelines.long_audio import (check_one_pass, collapse, ctc_words, encode_long, front_end, local_reach,
-                                       log_mel_chunked, one_pass, pieces, supports_one_pass)
+                                       log_mel_chunked, one_pass, pieces, receptive_field, supports_one_pass)
 from omni.speech import SpeechRecognizer
 from omni.tokenizers.audio import AudioTokenizer, log_mel
 from omni.tokenizers.text import TextTokenizer
@@ -63,6 +64,22 @@ def test_one_pass_encoder_equals_dense_masked_reference():
     assert (got - unmasked).abs().max().item() > 1e-2  # the window matters: full attention differs
     text, _ = one_pass(model, tok, wave, words=False, chunk_seconds=2.0)
     assert text == " ".join(ctc_greedy_decode(model.ctc_head(dense))[0].split())
+
+
+def test_spans_with_the_receptive_field_give_the_same_states(monkeypatch):
+    model = speech_model()
+    tok = AudioTokenizer(max_seconds=None, stride=3)
+    assert receptive_field(model.encoder.schedule) == 16  # 2 layers x 8
+    wave = wave_of(30.0)  # 1001 tokens
+    whole = encode_long(model, tok, wave)
+    spans = encode_long(model, tok, wave, span_seconds=2.0)  # 66-token spans, 16 tokens of context either side
+    assert (spans - whole).abs().max().item() <= 1e-5
+    globals_ = speech_model(attention={"pattern": {"kind": "any", "of": [WINDOW["pattern"], {"kind": "global"}]}})
+    assert receptive_field(globals_.encoder.schedule) is None and supports_one_pass(globals_, tok)
+    with pytest.raises(ValueError, match="global tokens"):
+        encode_long(globals_, tok, wave, span_seconds=2.0)
+    monkeypatch.setattr(omni.pipelines.long_audio, "receptive_field", lambda schedule: 8)  # one layer's worth
+    assert (encode_long(model, tok, wave, span_seconds=2.0) - whole).abs().max().item() > 1e-4  # 40x the tolerance
 
 
 def test_encoder_pass_takes_the_banded_path_with_fixed_width_tables(monkeypatch):

@@ -40,7 +40,7 @@ import torch
 from torch import Tensor
 
 from omni.asr_text import CTC_BLANK
-from omni.attention_patterns import UNBOUNDED, Schedule, lower
+from omni.attention_patterns import UNBOUNDED, Pattern, Schedule, lower
 from omni.timestamps import WordTiming, ctc_word_timings, frame_energy
 from omni.tokenizers.audio import (_DYNAMIC_RANGE, _MEL_CLAMP, _OFFSET, _SCALE, AudioTokenizer, _mel_transform, log_mel,
                                   log_mel_floor)
@@ -53,22 +53,31 @@ ABSOLUTE = ("learned", "learned_1d", "sinusoidal")  # trunk positions that name 
 # Which models take one pass
 
 
+def layer_reach(p: Pattern | None) -> int | None:
+    """How far (tokens, either side) a layer of pattern ``p`` attends, or None when it attends to everything (full,
+    an unbounded window / dilation) or on a 2-D grid. Global tokens are not counted: they cost a few rows and
+    columns, linear in the length."""
+    if p is None:
+        return None
+    full, win, before, after, dil, _, dbefore, dafter, grid = lower(p)[:9]
+    sides = ([before, after] if win else []) + ([dbefore, dafter] if dil else [])
+    if full or grid or not sides or max(sides) >= UNBOUNDED:
+        return None
+    return max(sides)
+
+
 def local_reach(schedule: Schedule) -> int | None:
-    """The farthest a token's attention reaches (tokens, either side) in a layer of ``schedule``, or None when some
-    layer attends to everything (full, an unbounded window / dilation) or on a 2-D grid. Global tokens are allowed:
-    they cost a few rows and columns, linear in the length."""
-    reach = 0
-    for p in schedule.layers:
-        if p is None:
-            return None
-        full, win, before, after, dil, _, dbefore, dafter, grid = lower(p)[:9]
-        if full or grid:
-            return None
-        sides = ([before, after] if win else []) + ([dbefore, dafter] if dil else [])
-        if not sides or max(sides) >= UNBOUNDED:
-            return None
-        reach = max(reach, *sides)
-    return reach
+    """The farthest any layer of ``schedule`` attends (``layer_reach``), None unless every layer is local."""
+    reaches = [layer_reach(p) for p in schedule.layers]
+    return None if any(r is None for r in reaches) else max(reaches, default=0)  # type: ignore[type-var]
+
+
+def receptive_field(schedule: Schedule) -> int | None:
+    """How far (tokens, either side) a token's final state reads through all the layers of a local ``schedule``:
+    the sum of their reaches; None when some layer is not local or has global tokens (which read everything)."""
+    if local_reach(schedule) is None or any(lower(p)[11] for p in schedule.layers):
+        return None
+    return sum(layer_reach(p) or 0 for p in schedule.layers)
 
 
 def check_one_pass(model: Any, audio_tok: AudioTokenizer, seconds: float | None = None) -> None:
@@ -166,11 +175,18 @@ def front_end(wave: Tensor, audio_tok: AudioTokenizer, chunk_seconds: float = 30
 
 
 @torch.no_grad()
-def encode_long(model: Any, audio_tok: AudioTokenizer, wave: Tensor, chunk_seconds: float = 30.0) -> Tensor:
+def encode_long(model: Any, audio_tok: AudioTokenizer, wave: Tensor, chunk_seconds: float = 30.0,
+                span_seconds: float | None = None) -> Tensor:
     """The encoder's states (1, n, d) over the whole recording in one pass: tokens embedded a chunk at a time (the
     embedder is per token), the trunk called without a mask, so every local layer takes its BlockMask (the banded
-    path on the CPU: memory linear in n) and no (n x n) mask is ever built."""
-    check_one_pass(model, audio_tok, wave.shape[-1] / audio_tok.sample_rate)
+    path on the CPU: memory linear in n) and no (n x n) mask is ever built.
+
+    ``span_seconds``: the trunk runs over spans of that many seconds, each with ``receptive_field`` tokens of context
+    either side (positions kept), and keeps the span's states: the same states (a local layer's output reads only
+    that far), with the encoder's activations held for one span, not the recording (its embeddings and states stay
+    linear, 2 x d floats a token). Refused for patterns with global tokens."""
+    seconds = wave.shape[-1] / audio_tok.sample_rate
+    check_one_pass(model, audio_tok, seconds)
     p = next(model.parameters())
     n = audio_tok.num_tokens(int(wave.shape[-1]))
     x = torch.empty(1, n, model.encoder.cfg.d_model, device=p.device, dtype=p.dtype)
@@ -179,7 +195,20 @@ def encode_long(model: Any, audio_tok: AudioTokenizer, wave: Tensor, chunk_secon
         x[0, at:at + chunk.shape[0]] = model.audio_embed(chunk.to(p.device, p.dtype))
         at += chunk.shape[0]
     assert at == n, (at, n)
-    return model.encoder(x, None, None)
+    span = None if span_seconds is None else max(1, int(span_seconds * audio_tok.tokens_per_second))
+    if span is None or span >= n:
+        return model.encoder(x, None, None)
+    margin = receptive_field(model.encoder.schedule)
+    if margin is None:
+        raise ValueError("span_seconds needs an encoder whose layers all read a bounded neighbourhood; this one has "
+                         "global tokens, which read the whole recording: use one pass without spans")
+    out = torch.empty_like(x)
+    for a in range(0, n, span):
+        b = min(n, a + span)
+        lo, hi = max(0, a - margin), min(n, b + margin)
+        states = model.encoder(x[:, lo:hi], torch.arange(lo, hi, device=p.device)[None], None)
+        out[:, a:b] = states[:, a - lo:b - lo]
+    return out
 
 
 @torch.no_grad()
@@ -254,13 +283,14 @@ def ctc_words(log_probs: Tensor, audio_tok: AudioTokenizer, wave: Tensor | None 
 
 
 def one_pass(model: Any, audio_tok: AudioTokenizer, wave: Tensor, *, words: bool = True, refine: bool = True,
-             chunk_seconds: float = 30.0, piece_seconds: float = 30.0, search_seconds: float = 10.0
-             ) -> tuple[str, list[WordTiming]]:
+             chunk_seconds: float = 30.0, span_seconds: float | None = None, piece_seconds: float = 30.0,
+             search_seconds: float = 10.0) -> tuple[str, list[WordTiming]]:
     """A long mono ``wave`` (samples,) at ``audio_tok.sample_rate`` -> (text, words): the CTC head's greedy text of
     ONE encoder pass over the whole recording, and (``words``) each word's absolute start / end (s) from the CTC
     forced alignment over pieces of at most ``piece_seconds`` (``ctc_words``; ``refine``: the energy refinement of
-    ``omni transcribe --timestamps``). ValueError in one line for a model that cannot (``check_one_pass``)."""
-    memory = encode_long(model, audio_tok, wave, chunk_seconds)
+    ``omni transcribe --timestamps``). ``span_seconds``: ``encode_long``'s (the same states, the encoder's memory
+    bounded). ValueError in one line for a model that cannot (``check_one_pass``)."""
+    memory = encode_long(model, audio_tok, wave, chunk_seconds, span_seconds)
     log_probs = ctc_log_probs(model, memory)
     del memory
     text = " ".join(collapse(log_probs.argmax(-1).numpy()).split())
@@ -271,4 +301,5 @@ def one_pass(model: Any, audio_tok: AudioTokenizer, wave: Tensor, *, words: bool
 
 
 __all__ = ["check_one_pass", "collapse", "ctc_log_probs", "ctc_words", "encode_long", "features", "front_end",
-           "local_reach", "log_mel_chunked", "one_pass", "pieces", "supports_one_pass"]
+           "layer_reach", "local_reach", "log_mel_chunked", "one_pass", "pieces", "receptive_field",
+           "supports_one_pass"]
