@@ -56,6 +56,7 @@ from omni.rl import (
     SpaceSpec,
     WindowLoader,
     action_loss,
+    check_causal_attention,
     encode_episodes,
     episode_return,
     evaluate,
@@ -138,6 +139,9 @@ def parse_args(argv=None) -> dict:
     cfg = recipe_config(ap, args, COMMON, PRESETS, default, {"env": args.env} if args.env else {})
     cfg["data"] = cfg["data"] or f"data/gym-{cfg['env']}" + ("-tiny" if cfg["preset"] == "tiny" else "")
     cfg["out"] = cfg["out"] or f"runs/dt-{cfg['env']}-{cfg['preset']}"
+    trunk = preset(cfg["trunk"], positions=cfg["positions"], dropout=cfg["dropout"], max_positions=3 * cfg["context"],
+                   **cfg["trunk_overrides"])
+    check_causal_attention(trunk.attention, trunk.n_layers)  # before data: one line (run_recipe)
     return cfg
 
 

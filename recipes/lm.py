@@ -21,6 +21,16 @@ tie_word_embeddings=False) trains as its own weight. ``context`` may not exceed 
 ``dropout`` None keeps the model's own (GPT-2: resid_pdrop). The export in <out>/final is again a text LM:
 ``omni generate --checkpoint <out>/final "prompt"``, and a GPT-2 goes back with ``omni convert --to hf``.
 
+Long texts. ``documents='stream'`` trains on whole ``context``-token windows of the text run on (the paragraphs joined
+by blank lines, the held-out ones apart), not on paragraphs, so a model sees every distance up to ``context``.
+``eval_lengths=[1024, 2048, 8192, 32768]`` then scores, after training, the same held-out tokens (the held-out
+paragraphs run on, the first max(eval_lengths) - 1 tokens) read in windows of each length, bos first, one document
+per forward (``long_text_bpb``): full attention on SDPA's causal path (no T x T mask), attention patterns
+(``--set trunk_overrides.attention=...``) on the banded path, so a window's memory grows linearly. Bits per byte per
+length go to the result line, the metrics (eval/bpb@<L>) and <out>/eval_lengths.json. A length past a learned
+position table is refused before any data is built (the trunk would repeat the table's last row: a measured
+failure, benchmarks/long_text.py); use positions='rope'.
+
 Metrics: train/lm/loss (nats per token), and at each evaluation the held-out bits per UTF-8 byte (eval/bpb),
 token perplexity (eval/ppl) and mean NLL (eval/loss) over every held-out document (omni.tasks.LMTask.evaluate),
 plus ``samples`` continuations of held-out openings logged to TensorBoard as text (lm/sample<i>) and written to
@@ -39,6 +49,7 @@ from omni.scripts import without_script_folder
 sys.path[:] = without_script_folder(sys.path, __file__)  # first: recipes/whisper.py must not hide openai-whisper
 
 import copy
+import json
 import math
 import time
 from collections import Counter
@@ -48,6 +59,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from omni.config import Check, Key, at_least, between, one_of, sets_trunk
 from omni.files import write_atomic
@@ -86,6 +98,11 @@ COMMON = dict(
     workers=0, compile=False, eval_every=1000, checkpoint_every=1000, log_every=50, seed=0, progress=True,
     report_to="tensorboard", resume="auto",
     samples=Key(4, check=at_least(0), help="held-out openings whose continuations are logged at each evaluation"),
+    documents=Key("paragraphs", str, one_of("paragraphs", "stream"),
+                  "paragraphs: each paragraph (cut at context) is a document; stream: the text run on, cut into "
+                  "context-token documents (long-context training)"),
+    eval_lengths=Key([], list, each=Key(type=int, check=at_least(2)),
+                     help="after training: held-out bits/byte read in windows of each length (module docstring)"),
 )
 PRESETS: dict[str, dict[str, Any]] = {
     # CPU smoke run: a tiny trunk on short documents, a few dozen steps.
@@ -115,32 +132,112 @@ def parse_args(argv=None) -> dict:
     return cfg
 
 
+def check_causal_attention(attention: Any, n_layers: int) -> None:
+    """ValueError in one line for a pattern that, under causal attention, leaves a token only itself: a window
+    or a dilated reach with nothing before the query (``after`` keys are later tokens, which a causal token never
+    sees). omni.config's check cannot know the recipe's tokens are causal."""
+    from omni.attention_patterns import Dilated, Window, parts, schedule_from_config
+
+    for i, p in enumerate(schedule_from_config(attention, n_layers).layers):
+        rules = [] if p is None else parts(p)
+        if rules and all(isinstance(q, (Window, Dilated)) and q.before is not None
+                         and q.before < (q.dilation if isinstance(q, Dilated) else 1) for q in rules):
+            raise ValueError(f"trunk_overrides.attention: layer {i}'s pattern {p.to_dict()} reaches no earlier token "
+                             "and this model is causal (a token never sees later ones), so each token would see only "
+                             "itself: give before >= 1")
+
+
 # ---------------------------------------------------------------------------------------------------
 # Data
 
 
-def documents(cfg: dict, tok: TextTokenizer) -> dict[str, list[str]]:
-    """{"train", "test"}: the corpus's paragraphs of ``min_words``+ words, each cut into pieces of at most
-    ``context`` tokens (specials included) at token boundaries; the last ``eval_fraction`` held out."""
+def documents(cfg: dict, tok: TextTokenizer) -> dict[str, Any]:
+    """{"train", "test"}: the corpus's paragraphs of ``min_words``+ words (the last ``eval_fraction`` held out),
+    each cut into pieces of at most ``context`` tokens (specials included) at token boundaries; with
+    ``documents='stream'`` each split's paragraphs are first run on (joined by blank lines) and the pieces are
+    ``context``-token windows of that text. "stream": the held-out paragraphs run on (``long_text_bpb`` reads it)."""
     from omni.data.builders_speech import load_paragraphs
 
     check_corpus(cfg["text"])
     paragraphs = [p for p in load_paragraphs(cfg["text"])[0] if len(p.split()) >= cfg["min_words"]]
     room = cfg["context"] - int(tok.add_bos) - int(tok.add_eos)
+    if cfg["documents"] == "stream":
+        if len(paragraphs) < 2:
+            raise ValueError(f"text: {len(paragraphs)} paragraphs of {cfg['min_words']}+ words; need a training and "
+                             "a held-out one")
+        n_eval = max(1, int(len(paragraphs) * cfg["eval_fraction"]))
+        held = "\n\n".join(paragraphs[-n_eval:])
+        train, test = (_pieces(tok, ["\n\n".join(part)], room) for part in (paragraphs[:-n_eval], [held]))
+        if not train or not test:
+            raise ValueError(f"text: the run-on text makes {len(train)} training and {len(test)} held-out pieces of "
+                             f"{cfg['context']} tokens; need one of each")
+        return {"train": train[:cfg["limit_train"]], "test": test[:cfg["limit_eval"]], "stream": held}
+    docs = _pieces(tok, paragraphs, room)
+    if len(docs) < 2:
+        raise ValueError(f"text: {len(docs)} paragraphs of {cfg['min_words']}+ words; need a training and a "
+                         "held-out one")
+    n_eval = max(1, int(len(docs) * cfg["eval_fraction"]))
+    test = docs[-n_eval:][:cfg["limit_eval"]]
+    return {"train": docs[:-n_eval][:cfg["limit_train"]], "test": test, "stream": "\n\n".join(test)}
+
+
+def _pieces(tok: TextTokenizer, texts: Sequence[str], room: int) -> list[str]:
+    """Each text kept whole when it has at most ``room`` tokens, else cut into decoded pieces of ``room`` tokens;
+    a piece that re-encodes to more than ``room`` (or to none) is dropped."""
     docs: list[str] = []
-    for p, enc in zip(paragraphs, tok.hf.encode_batch(paragraphs, add_special_tokens=False)):
+    for p, enc in zip(texts, tok.hf.encode_batch(list(texts), add_special_tokens=False)):
         ids = enc.ids
         if len(ids) <= room:
             docs.append(p)
         else:  # decoded pieces re-encode to about as many tokens; one that grew past room is dropped below
             docs += [tok.decode(ids[i:i + room]) for i in range(0, len(ids), room)]
     lengths = [len(e.ids) for e in tok.hf.encode_batch(docs, add_special_tokens=False)]
-    docs = [d for d, n in zip(docs, lengths) if 0 < n <= room]
-    if len(docs) < 2:
-        raise ValueError(f"text: {len(docs)} paragraphs of {cfg['min_words']}+ words; need a training and a "
-                         "held-out one")
-    n_eval = max(1, int(len(docs) * cfg["eval_fraction"]))
-    return {"train": docs[:-n_eval][:cfg["limit_train"]], "test": docs[-n_eval:][:cfg["limit_eval"]]}
+    return [d for d, n in zip(docs, lengths) if 0 < n <= room]
+
+
+def check_lengths(trunk: TrunkConfig, lengths: Sequence[int], what: str) -> None:
+    """A learned position table cannot read a window longer than itself: refused (one line) before data."""
+    if lengths and trunk.positions in ("learned", "learned_1d") and max(lengths) > trunk.max_positions:
+        raise ValueError(f"eval_lengths: {max(lengths)} tokens is longer than {what}'s learned position table "
+                         f"(max_positions {trunk.max_positions}); past it every position would read the table's "
+                         f"last row. Give lengths <= {trunk.max_positions}, or train with positions='rope'")
+
+
+def stream_ids(tok: TextTokenizer, text: str, n: int) -> tuple[list[int], int]:
+    """(the first ``n`` token ids of ``text``, no specials; the UTF-8 bytes they decode to): what
+    ``long_text_bpb`` scores. ValueError in one line when the text has fewer tokens."""
+    ids = tok.hf.encode(text, add_special_tokens=False).ids
+    if len(ids) < n:
+        raise ValueError(f"eval_lengths: the held-out text has {len(ids)} tokens, fewer than the {n} the longest "
+                         "length scores: raise eval_fraction (or limit_eval) or give shorter lengths")
+    ids = ids[:n]
+    return ids, len(tok.decode(ids).encode("utf-8"))
+
+
+@torch.no_grad()
+def long_text_bpb(omni: Any, head: str, tok: TextTokenizer, ids: Sequence[int], n_bytes: int, length: int,
+                  chunk: int = 2048) -> dict[str, float]:
+    """Bits per byte of ``ids`` read in windows of ``length`` tokens: each window is bos + the next length - 1
+    ids (the last one shorter), one document per forward, so every length scores the same tokens (each predicted
+    from bos and the ids before it in its window) over the same ``n_bytes``. The mask is "causal": SDPA's causal
+    kernel for full layers (no T x T mask), a BlockMask on the banded path for attention-pattern layers (linear
+    memory). The LM head runs ``chunk`` tokens at a time (a 32k x vocab logit matrix would be gigabytes)."""
+    was = omni.training
+    omni.eval()
+    embed, lm, dev = omni.embedders["text"], omni.heads[head], next(omni.parameters()).device
+    nll, windows = 0.0, 0
+    try:
+        for s in range(0, len(ids), length - 1):
+            piece = torch.tensor([tok.bos_id, *ids[s:s + length - 1]], device=dev)
+            hidden = omni.trunk(embed(piece)[None], mask="causal")[0]
+            for c in range(0, len(piece) - 1, chunk):
+                logits = lm(hidden[c:c + chunk][:len(piece) - 1 - c]).float()
+                nll += float(F.cross_entropy(logits, piece[c + 1:c + 1 + chunk], reduction="sum"))
+            windows += 1
+    finally:
+        omni.train(was)
+    return {"bpb": nll / math.log(2) / max(n_bytes, 1), "nll": nll / max(len(ids), 1), "tokens": float(len(ids)),
+            "bytes": float(n_bytes), "windows": float(windows)}
 
 
 def unigram_bpb(tok: TextTokenizer, train: Sequence[str], test: Sequence[str]) -> float:
@@ -221,8 +318,11 @@ def build(cfg: dict, rank: int = 0, world: int = 1):
         trunk = preset(cfg["trunk"], **{"positions": cfg["positions"], "max_positions": cfg["context"],
                                         "dropout": cfg["dropout"] or 0.0, **cfg["trunk_overrides"]})
         check_context(trunk, cfg["context"], "the trunk")
+    check_lengths(trunk, cfg["eval_lengths"], f"init {cfg['init']}" if cfg["init"] else "the trunk")
+    check_causal_attention(trunk.attention, trunk.n_layers)
     docs = documents(cfg, tok)
     train, test = (LMTask(name, tok, docs[split], tied=tied) for split in ("train", "test"))
+    test.stream = docs["stream"]  # the held-out text run on, for eval_lengths
     torch.manual_seed(cfg["seed"])
     model = MultitaskModel([train], trunk)
     export = model.export_config()
@@ -243,6 +343,8 @@ def main(argv=None) -> dict:
     state = process_state()
     model, loader, train, test, export = build(cfg, state.process_index, state.num_processes)
 
+    lengths = sorted(set(cfg["eval_lengths"]))
+    long_ids = stream_ids(test.tokenizer, test.stream, max(lengths) - 1) if lengths else None  # before training
     baseline = unigram_bpb(train.tokenizer, train.texts, test.texts)
     byte_baseline = byte_unigram_bpb(train.texts, test.texts)
     scored: dict[int, float] = {}  # step -> held-out bits/byte, for the samples' header
@@ -290,7 +392,26 @@ def main(argv=None) -> dict:
               f"perplexity {metrics.get('eval/ppl', float('nan')):.2f}; samples in "
               f"{Path(cfg['out']) / 'samples'}; model exported to {trainer.export_dir}", flush=True)
         metrics.update(unigram_bpb=baseline, byte_unigram_bpb=byte_baseline)
+        if long_ids is not None:
+            metrics.update(eval_lengths(cfg, unwrap(trainer.model).omni, train.name, test.tokenizer, *long_ids,
+                                        lengths))
     return metrics
+
+
+def eval_lengths(cfg: dict, omni: Any, head: str, tok: TextTokenizer, ids: list[int], n_bytes: int,
+                 lengths: Sequence[int]) -> dict[str, float]:
+    """``long_text_bpb`` at each length: printed, written to <out>/eval_lengths.json, returned as eval/bpb@<L>."""
+    rows = []
+    for n in lengths:
+        start, cpu = time.time(), time.process_time()
+        r = long_text_bpb(omni, head, tok, ids, n_bytes, n)
+        rows.append({"length": n, **r, "seconds": time.time() - start, "cpu_seconds": time.process_time() - cpu})
+        print(f"eval at {n} tokens: {r['bpb']:.4f} bits/byte ({r['windows']:.0f} windows, {rows[-1]['seconds']:.1f} s)",
+              flush=True)
+    write_atomic(Path(cfg["out"]) / "eval_lengths.json",
+                 json.dumps({"context": cfg["context"], "documents": cfg["documents"], "tokens": len(ids),
+                             "bytes": n_bytes, "rows": rows}, indent=1) + "\n")
+    return {f"eval/bpb@{r['length']}": r["bpb"] for r in rows}
 
 
 if __name__ == "__main__":

@@ -45,13 +45,13 @@ builder name ``omni.rl:build_decision_transformer`` stays valid.
 
 from omni.rl.episodes import SpaceSpec, episode_return, load_episodes, make_tokenizer, top_episodes
 from omni.rl.model import (CarriedTensors, DecisionTransformer, action_bounds, action_loss, build_decision_transformer,
-                           rescale_actions)
+                           check_causal_attention, rescale_actions)
 from omni.rl.rollout import RolloutResult, check_env, evaluate, make_envs, rollout
 from omni.rl.scores import normalized_score, reference_returns, summarize_returns
 from omni.rl.windows import KIND_PAD, EpisodeData, WindowLoader, encode_episodes, gather_windows
 
 __all__ = ["CarriedTensors", "DecisionTransformer", "EpisodeData", "KIND_PAD", "RolloutResult", "SpaceSpec",
-           "WindowLoader", "action_bounds", "action_loss", "build_decision_transformer", "check_env",
-           "encode_episodes", "episode_return", "evaluate", "gather_windows", "load_episodes", "make_envs",
-           "make_tokenizer", "normalized_score", "reference_returns", "rescale_actions", "rollout", "summarize_returns",
-           "top_episodes"]
+           "WindowLoader", "action_bounds", "action_loss", "build_decision_transformer", "check_causal_attention",
+           "check_env", "encode_episodes", "episode_return", "evaluate", "gather_windows", "load_episodes",
+           "make_envs", "make_tokenizer", "normalized_score", "reference_returns", "rescale_actions", "rollout",
+           "summarize_returns", "top_episodes"]

@@ -29,6 +29,21 @@ def rescale_actions(out: Tensor, center: Tensor, scale: Tensor) -> Tensor:
     return center + scale * out
 
 
+def check_causal_attention(attention: Any, n_layers: int) -> None:
+    """ValueError in one line for an attention pattern (TrunkConfig.attention) that leaves a causal token only
+    itself: a window or dilated reach with nothing before the query (its ``after`` keys are later tokens, which
+    a causal token never sees)."""
+    from omni.attention_patterns import Dilated, Window, parts, schedule_from_config
+
+    for i, p in enumerate(schedule_from_config(attention, n_layers).layers):
+        rules = [] if p is None else parts(p)
+        if rules and all(isinstance(q, (Window, Dilated)) and q.before is not None
+                         and q.before < (q.dilation if isinstance(q, Dilated) else 1) for q in rules):
+            raise ValueError(f"trunk_overrides.attention: layer {i}'s pattern {p.to_dict()} reaches no earlier token "
+                             "and a Decision Transformer is causal (a token never sees later ones), so each token "
+                             "would see only itself: give before >= 1")
+
+
 class DecisionTransformer(nn.Module):
     """Trajectory embedder -> causal Trunk -> action head at every token (read at state tokens).
 
@@ -48,6 +63,7 @@ class DecisionTransformer(nn.Module):
         super().__init__()
         if not 0.0 <= action_dropout < 1.0:
             raise ValueError(f"action_dropout must be in [0, 1), got {action_dropout}")
+        check_causal_attention(trunk.attention, trunk.n_layers)
         self.use_returns = bool(use_returns)
         self.action_dropout = float(action_dropout)
         self.discrete = tokenizer.discrete
@@ -84,7 +100,8 @@ class DecisionTransformer(nn.Module):
         return out if self.discrete else rescale_actions(out, self.action_center, self.action_scale)
 
     def new_cache(self, batch_size: int, device: torch.device | str | None = None) -> KVCache:
-        """A KV cache holding one full window (tokens_per_step * context tokens)."""
+        """A KV cache holding one full window (tokens_per_step * context tokens); with attention patterns a
+        RingKVCache, whose windowed layers hold their window only (fixed memory, whatever the context)."""
         return self.trunk.new_cache(batch_size, self.tokens_per_step * self.context, device=device)
 
 
@@ -106,4 +123,4 @@ def action_loss(model: nn.Module, tok: TrajectoryTokenizer, tokens: Tensor, targ
 
 
 __all__ = ["CarriedTensors", "DecisionTransformer", "action_bounds", "action_loss", "build_decision_transformer",
-           "rescale_actions"]
+           "check_causal_attention", "rescale_actions"]
