@@ -286,3 +286,33 @@ def test_cli_decode_ctc_and_mask_ctc(toks, tmp_path, capsys):
         assert f"--decode {mode}" in err and "CTC head" in err
     err = cli_error(["transcribe", "--checkpoint", str(no_ctc), "--draft", "ctc", files[0]], capsys, prog=None)
     assert "--draft ctc" in err and "CTC head" in err
+
+
+def test_recipe_mask_weight(toks, tmp_path):
+    """recipes/whisper.py: mask_weight 0 leaves the export config as it was; > 0 records the mask token and weight
+    (what `omni transcribe --decode mask-ctc` reads), needs the CTC head, and a mask token in the vocabulary."""
+    from conftest import load_recipe
+
+    whisper = load_recipe("whisper", "whisper_recipe_mask")
+    audio, text = toks
+    base = whisper.parse_args(["--preset", "tiny", "--set", f"out={tmp_path}"])
+    assert base["mask_weight"] == 0.0 and "mask_token" not in whisper.from_scratch(base, audio, text)[1]
+    cfg = whisper.parse_args(["--preset", "tiny", "--set", "mask_weight=0.5", "--set", f"out={tmp_path}"])
+    model, export = whisper.from_scratch(cfg, audio, text)
+    assert export["mask_token"] == MASK_TOKEN and export["mask_weight"] == 0.5 and model.mask_id == 7
+    with pytest.raises(SystemExit):
+        whisper.parse_args(["--preset", "tiny", "--set", "mask_weight=0.5", "--set", "ctc_weight=0.0"])
+    with pytest.raises(SystemExit):
+        whisper.parse_args(["--preset", "tiny", "--set", "mask_weight=1.0"])
+    small = TextTokenizer().fit(["the cat sat on the mat"] * 10, vocab_size=300)
+    from tokenizers import Tokenizer
+
+    data = json.loads(small.hf.to_str())
+    data["added_tokens"] = [t for t in data["added_tokens"] if t["content"] != MASK_TOKEN]
+    no_mask = TextTokenizer.from_hf(Tokenizer.from_str(json.dumps(data)))
+    with pytest.raises(ValueError, match="mask_weight > 0 needs the mask token"):
+        whisper.mask_settings(cfg, no_mask)
+    # the masked LM's text, as prompted_example builds it for the batch
+    example = whisper.prompted_example(audio, text, (1, 3), "keep", True, torch.zeros(8000).numpy(),
+                                       "Hello, World!", mlm=True)
+    assert text.decode(example["mlm"].tolist()) == "hello world" and example["mlm_start"] == 2
