@@ -438,15 +438,19 @@ def block_mask(layout: Layout, pattern: Pattern | None, bs: int = BLOCK) -> Bloc
     partial = (base_full | base_part) & may & ~full
     params = torch.tensor(lower(pattern), device=layout.document.device)
 
-    def tables(blocks: Tensor) -> tuple[Tensor, Tensor]:
+    return BlockMask.from_kv_blocks(*block_tables(partial, full), BLOCK_SIZE=bs, mask_mod=rule(padded, params),
+                                    seq_lengths=(T, T))
+
+
+def block_tables(partial: Tensor, full: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """BlockMask.from_kv_blocks's (kv_num, kv_idx, full_num, full_idx) from (B, nb, nb) partial / full tiles."""
+
+    def table(blocks: Tensor) -> tuple[Tensor, Tensor]:
         counts = blocks.sum(-1, dtype=torch.int32)  # (B, nb)
         order = torch.argsort((~blocks).to(torch.int8), dim=-1, stable=True).to(torch.int32)  # listed first
         return counts[:, None], order[:, None]  # (B, 1, nb), (B, 1, nb, nb)
 
-    kv_num, kv_idx = tables(partial)
-    full_num, full_idx = tables(full)
-    return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=bs,
-                                    mask_mod=rule(padded, params), seq_lengths=(T, T))
+    return *table(partial), *table(full)
 
 
 class LayerMasks(tuple):

@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask
 
-from omni.attention_patterns import LayerMasks, Layout, Schedule, layer_masks
+from omni.attention_patterns import LayerMasks, Layout, Schedule, base_blocks, block_tables, layer_masks
 from omni.segment import Role, Sample
 
 BLOCK_SIZE = 128  # FlexAttention's tile: packed rows are padded to a multiple of it
@@ -144,60 +144,16 @@ def block_mask(document: Tensor, segment: Tensor, causal: Tensor, block_size: in
     ``create_block_mask`` evaluates mask_mod on all T x T pairs (7.8 ms at T = 33.8k on an H100 after a
     6 s compile). Here a (tile x tile) pair is classified from its blocks' document/segment summaries
     when both blocks hold a single segment — the common case — and only pairs touching a block that
-    straddles a segment boundary (at most one per boundary) are evaluated token by token.
+    straddles a segment boundary (at most one per boundary) are evaluated token by token
+    (``omni.attention_patterns.base_blocks``, the table every attention pattern starts from).
     tests/test_packing.py checks it against create_block_mask.
     """
     B, T = document.shape
     if T % block_size:
         raise ValueError(f"sequence length {T} is not a multiple of the block size {block_size}")
-    nb, dev = T // block_size, document.device
-    seg = segment.view(B, nb, block_size)
-    doc = document.view(B, nb, block_size)
-    pure = (seg == seg[..., :1]).all(-1)  # (B, nb) the block holds one segment
-    s0, d0, c0 = seg[..., 0], doc[..., 0], causal.view(B, nb, block_size)[..., 0]
-    qi = torch.arange(nb, device=dev)
-    # Single-segment pairs: same document required; earlier segment -> full; same segment -> full
-    # when bidirectional, else causal at block level (diagonal partial); later segment -> nothing.
-    same_doc = d0[:, :, None] == d0[:, None, :]
-    earlier = s0[:, None, :] < s0[:, :, None]
-    same_seg = s0[:, None, :] == s0[:, :, None]
-    below, diag = qi[None, :, None] > qi[None, None, :], qi[None, :, None] == qi[None, None, :]
-    full = same_doc & (earlier | (same_seg & (~c0[:, :, None] | below)))
-    partial = same_doc & same_seg & c0[:, :, None] & diag
-    # Pairs touching a mixed block: exact, token by token, where the document ranges overlap.
-    mixed = ~pure
-    if bool(mixed.any()):
-        lo, hi = doc.min(-1).values, doc.max(-1).values  # pads (-1) only ever overlap pads
-        overlap = (lo[:, :, None] <= hi[:, None, :]) & (lo[:, None, :] <= hi[:, :, None])
-        todo = overlap & (mixed[:, :, None] | mixed[:, None, :])
-        b, i, j = todo.nonzero(as_tuple=True)
-        any_, all_ = [], []
-        for start in range(0, b.numel(), 4096):  # bounded memory: 4096 tiles of block_size^2 bools
-            bb, ii, jj = b[start:start + 4096], i[start:start + 4096], j[start:start + 4096]
-            q = ii[:, None] * block_size + torch.arange(block_size, device=dev)  # (K, bs) query positions
-            k = jj[:, None] * block_size + torch.arange(block_size, device=dev)
-            dq, dk = document[bb[:, None], q], document[bb[:, None], k]
-            sq, sk = segment[bb[:, None], q], segment[bb[:, None], k]
-            cq = causal[bb[:, None], q]
-            inside = (sk[:, None, :] == sq[:, :, None]) & (~cq[:, :, None] | (k[:, None, :] <= q[:, :, None]))
-            ok = (dq[:, :, None] == dk[:, None, :]) & ((sk[:, None, :] < sq[:, :, None]) | inside)
-            any_.append(ok.flatten(1).any(-1))
-            all_.append(ok.flatten(1).all(-1))
-        some, every = torch.cat(any_), torch.cat(all_)
-        full[b, i, j] = every
-        partial[b, i, j] = some & ~every
-        clear = mixed[:, :, None] | mixed[:, None, :]
-        full &= ~clear | todo  # non-overlapping pairs with a mixed block: nothing
-        partial &= ~clear | todo
-
-    def to_indices(blocks: Tensor) -> tuple[Tensor, Tensor]:
-        counts = blocks.sum(-1, dtype=torch.int32)  # (B, nb)
-        order = torch.argsort((~blocks).to(torch.int8), dim=-1, stable=True).to(torch.int32)  # True first
-        return counts[:, None], order[:, None]  # (B, 1, nb), (B, 1, nb, nb)
-
-    kv_num, kv_idx = to_indices(partial)
-    full_num, full_idx = to_indices(full)
-    return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=block_size,
+    no_grid = torch.zeros(B, T, 2, dtype=torch.long, device=document.device)  # the packing rule reads no position
+    full, partial = base_blocks(Layout.of(document, segment, causal, no_grid), block_size)
+    return BlockMask.from_kv_blocks(*block_tables(partial, full), BLOCK_SIZE=block_size,
                                     mask_mod=mask_mod(document, segment, causal), seq_lengths=(T, T))
 
 
