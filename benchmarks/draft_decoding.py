@@ -221,11 +221,12 @@ def trained(args: argparse.Namespace) -> list[dict]:
         modes.append(("speculative draft model k=4", lambda: dict(draft=model_draft(small), draft_tokens=4,
                                                                   draft_stats=DraftStats())))
     if trained_mask:
-        def masked(n: int) -> dict:
+        def masked_at(n: int, threshold: float) -> dict:
             stats = MaskCTCStats()
-            return dict(parallel=mask_ctc_decode(model, text_tok, n, args.threshold, stats=stats), _stats=stats)
+            return dict(parallel=mask_ctc_decode(model, text_tok, n, threshold, stats=stats), _stats=stats)
 
-        modes += [(f"mask-ctc N={n}", lambda n=n: masked(n)) for n in (1, 3, 10)]
+        modes += [(f"mask-ctc N={n} p<{th}", lambda n=n, th=th: masked_at(n, th)) for th in args.threshold
+                  for n in (1, 3, 10)]
     modes.append(("ctc", lambda: dict(parallel=ctc_decode(model, text_tok))))
     rows = []
     for batch in args.batches:
@@ -251,7 +252,8 @@ def trained(args: argparse.Namespace) -> list[dict]:
                     hyps[i] = text_tok.decode(r)
             rates = error_rates(refs, [hyps[i] for i in range(len(refs))])
             rows.append(dict(mode=name, batch=batch, passes=passes, tokens=out_tokens, seconds=wall, cpu_seconds=cpu,
-                             cer=rates["cer"], wer=rates["wer"], stats=None if stats is None else vars(stats)))
+                             cer=rates["cer"], wer=rates["wer"], stats=None if stats is None else vars(stats),
+                             masked=mstats.masked if mstats is not None else None))
             r = rows[-1]
             print(f"b{batch:<3d} {name:28s} passes/token {passes * batch / out_tokens:.3f}  {out_tokens / cpu:7.0f} tok/CPU-s "
                   f"CER {100 * r['cer']:.1f}%  WER {100 * r['wer']:.1f}%", file=sys.stderr)
@@ -285,7 +287,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--split", default="test", help="--export: the split decoded")
     ap.add_argument("--limit", type=int, default=200, help="--export: the first N clips")
     ap.add_argument("--max-new-tokens", type=int, default=48, help="--export: the recipe's eval limit")
-    ap.add_argument("--threshold", type=float, default=None, help="--export: Mask-CTC's confidence threshold")
+    ap.add_argument("--threshold", type=float, nargs="+", default=None,
+                    help="--export: Mask-CTC's confidence thresholds (default: omni.mask_ctc's)")
     ap.add_argument("--draft-export", default=None, help="--export: a smaller speech export that drafts")
     args = ap.parse_args(argv)
     args.batches = args.batches or ([1, 3] if args.dry_run else [1, 16])
@@ -295,11 +298,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.export:
         from omni.mask_ctc import DEFAULT_THRESHOLD
 
-        args.threshold = DEFAULT_THRESHOLD if args.threshold is None else args.threshold
+        args.threshold = args.threshold or [DEFAULT_THRESHOLD]
         rows = trained(args)
         header = (f"{datetime.date.today()}, {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
                   f"torch {torch.__version__}, {torch.get_num_threads()} threads; {args.export} on the first "
-                  f"{args.limit} clips of {args.data} {args.split}; Mask-CTC threshold {args.threshold}")
+                  f"{args.limit} clips of {args.data} {args.split}")
         print(header)
         print(trained_table(rows))
         if args.json:

@@ -171,6 +171,9 @@ def _transcribe(args: argparse.Namespace) -> int:
     elif args.decode != "beam" and args.beam_size != 1:
         raise UsageError(f"--beam-size {args.beam_size} is beam search: use it with --decode beam, not --decode "
                          f"{args.decode}")
+    if args.mask_threshold is not None and args.decode != "mask-ctc":
+        raise UsageError(f"--mask-threshold {args.mask_threshold} picks the tokens Mask-CTC re-predicts: use it with "
+                         f"--decode mask-ctc, not --decode {args.decode}")
     if args.iterations is not None and args.decode != "mask-ctc":
         raise UsageError(f"--iterations {args.iterations} counts Mask-CTC's decoder passes: use it with --decode "
                          f"mask-ctc, not --decode {args.decode}")
@@ -227,7 +230,7 @@ def _transcribe(args: argparse.Namespace) -> int:
                                    max_new_tokens=args.max_new_tokens, return_exceptions=True, timestamps=timed,
                                    timing={"method": args.timestamps, "keep_alignment": bool(pictures)},
                                    draft=args.draft, draft_tokens=args.draft_tokens, decode=args.decode,
-                                   iterations=args.iterations)
+                                   iterations=args.iterations, mask_threshold=args.mask_threshold)
         if pictures:
             from omni.alignment_plot import write_alignment_png
             from omni.export import load_tokenizers
@@ -432,6 +435,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "--iterations parallel passes; needs an export trained with mask_weight > 0)")
     p.add_argument("--iterations", type=number(int, at_least=1, below=65), default=None,  # mask_ctc.MAX_ITERATIONS
                    help="--decode mask-ctc: decoder passes that fill the masked tokens, 1 .. 64 (default: 3)")
+    p.add_argument("--mask-threshold", type=number(float, at_least=0.0), default=None,
+                   help="--decode mask-ctc: tokens whose CTC confidence is under this are re-predicted (default: "
+                   "0.999, the paper's)")
     p.add_argument("--draft", metavar="ctc|ngram|PATH", default=None, help="speculative decoding, the greedy text in "
                    "fewer sequential decoder passes: ctc drafts with the export's CTC head, ngram by copying what "
                    "followed the last words earlier in the text, PATH: a smaller speech export with the same "

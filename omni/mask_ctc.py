@@ -34,7 +34,10 @@ from torch import Tensor
 from omni.asr_text import CTC_BLANK
 from omni.timestamps import token_char_ends
 
-DEFAULT_THRESHOLD = 0.9  # tokens under this CTC confidence are re-predicted (measured: results_mask_ctc.md)
+# Tokens under this CTC confidence are re-predicted: Higuchi et al.'s (and ESPnet's) p_thres 0.999, for a decoder that
+# reads the audio well. On omni's CPU models every threshold that masks anything loses to CTC alone (their decoder
+# hardly reads the audio: /work/notes/results_mask_ctc.md); `omni transcribe --mask-threshold` sets another.
+DEFAULT_THRESHOLD = 0.999
 MAX_ITERATIONS = 64  # one decoder pass each: past this the passes outnumber any transcript's tokens
 
 ParallelDecode = Callable[[Tensor, Tensor | None], list[list[int]]]  # (memory, audio mask) -> ids per row

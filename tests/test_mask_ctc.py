@@ -266,13 +266,15 @@ def test_cli_decode_ctc_and_mask_ctc(toks, tmp_path, capsys):
         want.append(ctc_greedy_decode(model.ctc_head(model.encode(x, mask)))[0].strip())
     assert [r["text"] for r in rows] == want and any(want)
     assert all(r["method"] == "ctc" for r in rows)  # word times from the CTC forced alignment
-    assert main(base + ["--decode", "mask-ctc", "--iterations", "2"] + files) == 0
+    assert main(base + ["--decode", "mask-ctc", "--iterations", "2", "--mask-threshold", "0.9"] + files) == 0
     filled = json.loads(capsys.readouterr().out)
     assert len(filled) == 2 and all(isinstance(r["text"], str) for r in filled)
     for argv, words in (
         (["--decode", "mask-ctc", "--iterations", "0"], "--iterations"),
         (["--decode", "mask-ctc", "--iterations", "-3"], "--iterations"),
         (["--iterations", "3"], "--iterations 3"),
+        (["--mask-threshold", "0.5"], "--mask-threshold"),
+        (["--decode", "mask-ctc", "--mask-threshold", "-1"], "--mask-threshold"),
         (["--decode", "ctc", "--iterations", "3"], "--decode mask-ctc"),
         (["--draft", "ngram", "--draft-tokens", "33"], "--draft-tokens"),
         (["--decode", "ctc", "--draft", "ngram"], "--decode ctc"),

@@ -46,7 +46,7 @@ from omni.export import load_config, load_pretrained, load_tokenizers, resolve_e
 from omni.export_kinds import speech_task
 from omni.interfaces import Seq2SeqDecoder
 from omni.pipelines.timing import time_windows, timing_method
-from omni.mask_ctc import check_iterations, ctc_decode, mask_ctc_decode
+from omni.mask_ctc import DEFAULT_THRESHOLD, check_iterations, ctc_decode, mask_ctc_decode
 from omni.speculative import check_draft_tokens, check_draft_vocabulary
 from omni.speech import (SILENCE_PEAK, TASK, SpeechRecognizer, ctc_draft, decode_batch, model_draft, ngram_draft,
                          pad_audio, timestamp_segments)
@@ -681,7 +681,7 @@ def transcribe_files(checkpoint: str | os.PathLike, files: Sequence[str | os.Pat
                      max_new_tokens: int = 224, return_exceptions: bool = False, timestamps: bool = False,
                      timing: dict[str, Any] | None = None, windows: str = "auto",
                      whisper: WhisperSeek | None = None, draft: str | os.PathLike | None = None, draft_tokens: int = 4,
-                     decode: str | None = None, iterations: int | None = None,
+                     decode: str | None = None, iterations: int | None = None, mask_threshold: float | None = None,
                      stats: Any = None) -> list[Any]:
     """Transcribe audio files (WAV, FLAC, MP3, OGG ...; any rate, channels, length) with a speech recognition
     export (recipes/whisper.py, a converted Whisper) or the transcribe task of a multitask export
@@ -705,8 +705,8 @@ def transcribe_files(checkpoint: str | os.PathLike, files: Sequence[str | os.Pat
 
     ``decode``: None (greedy, or beam search when beam_size > 1), "greedy", "beam", "ctc" (the CTC head's own best
     path, re-tokenised: omni.mask_ctc.ctc_decode) or "mask-ctc" (the CTC text's unsure tokens re-predicted by the
-    decoder's masked LM in ``iterations`` passes, default 3: omni.mask_ctc). ``stats``: a DraftStats (draft) or
-    MaskCTCStats (ctc / mask-ctc) filled in place."""
+    decoder's masked LM in ``iterations`` passes, default 3; the tokens under ``mask_threshold``: omni.mask_ctc).
+    ``stats``: a DraftStats (draft) or MaskCTCStats (ctc / mask-ctc) filled in place."""
     decode = decode or ("beam" if beam_size > 1 else "greedy")
     if decode not in DECODE_MODES:
         raise ValueError(f"decode must be one of {', '.join(DECODE_MODES)}, got {decode!r}")
@@ -781,7 +781,8 @@ def transcribe_files(checkpoint: str | os.PathLike, files: Sequence[str | os.Pat
             raise ValueError(f"--decode {decode} writes no timestamp tokens: time it with --timestamps ctc or auto")
         try:
             parallel = (ctc_decode(model, text_tok, stats) if decode == "ctc" else
-                        mask_ctc_decode(model, text_tok, iterations or 3, stats=stats))
+                        mask_ctc_decode(model, text_tok, iterations or 3,
+                                        DEFAULT_THRESHOLD if mask_threshold is None else mask_threshold, stats=stats))
         except ValueError as exc:
             raise ValueError(f"{os.fspath(checkpoint)}: {exc}") from exc
         batch.update(parallel=parallel)
