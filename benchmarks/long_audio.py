@@ -37,8 +37,9 @@ import platform
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -81,7 +82,7 @@ def synth_recording(minutes: float, sentences: Sequence[str], *, seed: int = 0, 
     from omni.data.speech import ESPEAK_RATE, _engine, noise, resample
 
     rng = np.random.default_rng([seed, int(minutes * 1000)])
-    total = int(round(minutes * 60 * sample_rate))
+    total = round(minutes * 60 * sample_rate)
     parts: list[np.ndarray] = [np.zeros(int(lead * sample_rate))]
     at, spoken, meta = len(parts[0]), [], []
     for sentence in sentences:
@@ -269,7 +270,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         info = json.loads((args.data / f"{m:g}min.json").read_text())
         for method in args.methods:
             out = subprocess.run([sys.executable, __file__, "--checkpoint", args.checkpoint, "--point", method,
-                                  str(wav)], capture_output=True, text=True, env=env, cwd=ROOT)
+                                  str(wav)], capture_output=True, text=True, env=env, cwd=ROOT, check=False)
             if out.returncode:
                 print(f"{m:>4g} {method:>9}  failed: {out.stderr.strip().splitlines()[-1:]}", flush=True)
                 rows.append({"minutes": m, "method": method, "error": out.stderr[-2000:]})

@@ -4,6 +4,8 @@ tables of a fixed width however long the input), word times are absolute, and th
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 import torch
@@ -140,7 +142,7 @@ def test_pieces_cut_at_blank_frames_and_keep_the_text():
     path = rng.choice([CTC_BLANK] * 6 + [97, 98, 32], size=5000)
     cuts = pieces(path, limit=300, search=100)
     assert cuts[0][0] == 0 and cuts[-1][1] == 5000
-    assert all(b - a <= 300 for a, b in cuts) and all(b == a2 for (_, b), (a2, _) in zip(cuts, cuts[1:]))
+    assert all(b - a <= 300 for a, b in cuts) and all(b == a2 for (_, b), (a2, _) in itertools.pairwise(cuts))
     assert all(path[a] == CTC_BLANK for a, _ in cuts[1:])
     assert "".join(collapse(path[a:b]) for a, b in cuts) == collapse(path)
 

@@ -18,6 +18,10 @@ a model cannot take it (``supports_one_pass``: the same as a bool, for routing).
 * a CTC head (the text and the word times come from it; the decoder's transcripts are 30 s long at most);
 * omni's windowed log-mel front end (Whisper's pads every clip to 30 s).
 
+``span_seconds`` (``encode_long``) bounds the encoder's memory without changing a number: a local layer's output
+reads only its reach, so the trunk can run over spans with the layers' summed reach of context either side
+(measured at 60 min: 358 MiB instead of 1.1 GB, the same text and times).
+
 The front end (``features``) equals ``AudioTokenizer.encode`` on the whole recording (tests: to 1e-6): the STFT runs
 over chunks of ``chunk_seconds`` with two frames of context each side, the normalisation takes the peak of the
 whole recording, and tokens are cut per chunk, so memory holds the log-mel (80 floats per 10 ms: 115 MB an hour)
@@ -33,7 +37,8 @@ texts joined, and each piece's words are offset by the piece's start: absolute i
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import torch
@@ -276,7 +281,7 @@ def ctc_words(log_probs: Tensor, audio_tok: AudioTokenizer, wave: Tensor | None 
             continue
         energy = None
         if wave is not None:
-            piece = wave[int(round(a * per_token)):int(round((b + 1) * per_token))]
+            piece = wave[round(a * per_token):round((b + 1) * per_token)]
             energy = frame_energy(piece, audio_tok.sample_rate, tps, b - a)
         timed.extend(ctc_word_timings(log_probs[a:b], text, tps, offset=a / tps, energy=energy)[0])
     return timed
