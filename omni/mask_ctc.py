@@ -25,8 +25,9 @@ memory and audio mask in, ids out), which is how ``omni transcribe --decode ctc|
 from __future__ import annotations
 
 import codecs
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -217,5 +218,5 @@ def mask_ctc_decode(model: Any, text_tok: Any, iterations: int = 3, threshold: f
     return run
 
 
-__all__ = ["DEFAULT_THRESHOLD", "Draft", "MAX_ITERATIONS", "MaskCTCStats", "ParallelDecode", "check_iterations",
+__all__ = ["DEFAULT_THRESHOLD", "MAX_ITERATIONS", "Draft", "MaskCTCStats", "ParallelDecode", "check_iterations",
            "check_mask_ctc", "ctc_decode", "ctc_tokens", "mask_ctc", "mask_ctc_decode"]
