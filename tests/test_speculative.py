@@ -161,6 +161,34 @@ def test_draft_model(speech):
         assert stats.accepted > 0 and stats.passes < max(len(r) for r in ref)
 
 
+def _fresh_greedy(draft: Any, memory: torch.Tensor, mask: torch.Tensor, row: list[int], b: int, k: int) -> list[int]:
+    """The draft model's k greedy tokens after ``row``, computed from nothing (no cache): the reference."""
+    ids = list(row)
+    for _ in range(k):
+        text = torch.tensor([draft.prompt + ids])
+        ids.append(int(draft.head(draft.decode_hidden(text, memory[b:b + 1], mask[b:b + 1]))[0, -1].argmax()))
+    return ids[len(row):]
+
+
+def test_draft_model_cache(speech):
+    """DraftModel's KV cache across proposals (rows growing by different counts, a row without tokens, a cache that
+    must be compacted and then grown): every proposal equals the draft's greedy tokens computed from nothing."""
+    model, text, x, mask = speech
+    with torch.no_grad():
+        memory = model.encode(x, mask)
+        drafter = DraftModel(model, memory, mask, capacity=12)
+        g = torch.Generator().manual_seed(0)
+        rows: list[list[int]] = [[], [5], [9, 10]]
+        for step in range(7):
+            got = drafter.propose(rows, 3)
+            for b, row in enumerate(rows):
+                assert got[b] == _fresh_greedy(model, memory, mask, row, b, 3), (step, b)
+            # rows grow by 0, 1 and 3 tokens: a drafted prefix, or other tokens
+            rows = [rows[0] + got[0][:step % 2], rows[1] + [int(torch.randint(100, 900, (1,), generator=g))],
+                    rows[2] + got[2][:2] + [int(torch.randint(100, 900, (1,), generator=g))]]
+        assert drafter.capacity > 12  # grown once the rows' real tokens no longer fit
+
+
 # ----------------------------------------------------------------------------------------------------
 # A converted Whisper: SuppressTokens, SuppressAtStart (the model's filters) and the timestamp rules
 
