@@ -29,7 +29,7 @@ block attends to the key blocks listed for it only, so its memory grows linearly
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Callable, Mapping
 
 import torch
@@ -512,6 +512,20 @@ def _decode_rule(params: list[int], qa: Tensor, ka: Tensor) -> Tensor:
     return ok
 
 
+def pin_cross(cache: Any) -> None:
+    """Hold a KV cache's cross-attention K/V (``cache.cross``) at the same addresses from batch to batch (a captured
+    CUDA graph reads them, and the decoding loop pins them on every batch): the first call keeps the tensors
+    computed since ``reset`` in ``cache.pinned``, later calls copy the new batch's K/V into those."""
+    if cache.pinned is None:
+        cache.pinned = list(cache.cross)
+    else:
+        for new, held in zip(cache.cross, cache.pinned):
+            if new is not None and held is not None:
+                held[0].copy_(new[0])
+                held[1].copy_(new[1])
+    cache.cross = list(cache.pinned)
+
+
 @dataclass
 class RingKVCache:
     """The KV cache of a trunk with attention patterns (``Trunk.new_cache`` makes it). A layer whose pattern
@@ -519,11 +533,12 @@ class RingKVCache:
     tokens of a Global part, pinned): its memory stays fixed however long generation runs. A full layer (or an
     unbounded one) keeps every key, up to ``max_length``. Each call attends over [the layer's buffer | the new
     tokens] with the pattern's rule, then writes the new keys in; the outputs equal a full recompute with the same
-    mask (tests/test_attention_patterns.py). The Python-int path only (no ``cache_position``); 1-D patterns only
-    (a 2-D window needs a grid, which decoding has not).
+    mask (tests/test_attention_patterns.py). The Python-int path and ``cache_position`` (the decoding loop's; the
+    ring's bookkeeping then syncs with the host, so it is not CUDA-graphed); 1-D patterns only (a 2-D window needs
+    a grid, which decoding has not).
 
-    Trunk API as omni.trunk.KVCache: ``length``, ``cross``, ``reset``, ``reorder``, ``real_tokens``, ``update``,
-    ``attention_mask``."""
+    Trunk API as omni.trunk.KVCache: ``length``, ``cross``, ``pin_cross``, ``reset``, ``reorder``, ``real_tokens``,
+    ``update``, ``attention_mask`` (not ``rollback``: speculative decoding refuses a ring cache in one line)."""
 
     k: list[Tensor]  # per layer (B, G, C_l, D): C_l = the layer's capacity
     v: list[Tensor]
@@ -536,6 +551,11 @@ class RingKVCache:
     real: Tensor | None = None  # (B,) real tokens written
     cross: list = None  # type: ignore[assignment]
     plan: tuple[Tensor, Tensor, Tensor] | None = None  # this call's writes: new-token index, slot, row valid
+    pinned: list | None = field(default=None, repr=False)  # see pin_cross
+
+    def pin_cross(self) -> None:
+        """Keep the cross K/V at fixed addresses from batch to batch, as ``KVCache.pin_cross``."""
+        pin_cross(self)
 
     @classmethod
     def empty(cls, schedule: Schedule, kv_heads: int, head_dim: int, batch_size: int, max_length: int,
@@ -588,13 +608,14 @@ class RingKVCache:
         return torch.where(places < first, places, ring if size > 0 else torch.full_like(places, -1))
 
     def attention_mask(self, T: int, new_mask: Any, pad: Tensor | None, slots: Tensor | None = None) -> LayerMasks:
-        """Per-layer masks (B, 1, T, C_l + T) for T new tokens over [buffer | new]; records where they go."""
-        if slots is not None:
-            raise ValueError("a KV cache with attention patterns takes no cache_position: decode with the int path")
+        """Per-layer masks (B, 1, T, C_l + T) for T new tokens over [buffer | new]; records where they go. The new
+        tokens' places follow ``length``, or are ``slots`` (T,) = p .. p+T-1 (Trunk's cache_position: the decoding
+        loop's device-side place; a layer that keeps every key then indexes its buffer by place, as KVCache)."""
         B, dev = self.valid[0].shape[0], self.valid[0].device
-        start = self.length
-        if any(size < 0 for _, size in self.ring) and start + T > self.max_length:
-            raise ValueError(f"KV cache overflow: {start} cached + {T} new > max_length {self.max_length}")
+        if slots is None:
+            start = self.length
+            if any(size < 0 for _, size in self.ring) and start + T > self.max_length:
+                raise ValueError(f"KV cache overflow: {start} cached + {T} new > max_length {self.max_length}")
         if new_mask is None or new_mask == "causal":
             block = torch.ones(T, T, dtype=torch.bool, device=dev).tril()[None, None]
         elif isinstance(new_mask, str) and new_mask == "full":
@@ -604,7 +625,7 @@ class RingKVCache:
         else:
             raise TypeError(f"with a KV cache the mask must be None/'causal'/'full' or a bool tensor, got {new_mask!r}")
         real = torch.ones(B, T, dtype=torch.bool, device=dev) if pad is None else ~pad
-        qa = torch.arange(start, start + T, device=dev)
+        qa = torch.arange(start, start + T, device=dev) if slots is None else slots.to(dev, torch.long).reshape(T)
         own = torch.eye(T, dtype=torch.bool, device=dev)  # a pad query that sees nothing sees its own slot
         masks = []
         for layer, p in enumerate(self.params):

@@ -35,7 +35,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.attention.flex_attention import BlockMask, create_mask, flex_attention
 
-from omni.attention_patterns import LayerMasks, RingKVCache, normalise_config, pattern_masks, schedule_from_config
+from omni.attention_patterns import (LayerMasks, RingKVCache, normalise_config, pattern_masks, pin_cross,
+                                     schedule_from_config)
 from omni.banded_attention import banded_attention
 
 Mask = Union[None, Literal["causal"], Tensor, BlockMask, LayerMasks]
@@ -516,14 +517,7 @@ class KVCache:
         """Keep the cross K/V at the same addresses from batch to batch (a captured CUDA graph reads
         them): the first call holds the tensors computed since ``reset``, later calls copy the new batch's
         K/V into those and hold them again."""
-        if self.pinned is None:
-            self.pinned = list(self.cross)
-        else:
-            for new, held in zip(self.cross, self.pinned):
-                if new is not None and held is not None:
-                    held[0].copy_(new[0])
-                    held[1].copy_(new[1])
-        self.cross = list(self.pinned)
+        pin_cross(self)
 
     def real_tokens(self) -> Tensor:
         """(B,) slots written by real (non-pad) tokens per row."""

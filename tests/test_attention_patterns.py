@@ -310,3 +310,38 @@ def test_recipes_take_the_pattern_through_trunk_overrides():
     with pytest.raises(ValueError, match="trunk_overrides .*a window of 0") as info:
         check_trunk({"trunk": "tiny", "trunk_overrides": {"attention": {"kind": "window", "before": 0}}}, RULES)
     assert "\n" not in str(info.value)
+
+
+def test_windowed_speech_decoder_decodes_with_the_ring_cache():
+    """A speech recognizer whose encoder and decoder are windowed greedy-decodes through the ring cache (the decoding
+    loop pins its cross K/V) token for token as the uncached recompute with the same masks; twice in a row (the
+    pinned cross K/V of the first batch are overwritten by the second's)."""
+    from omni.decoding import greedy_decode
+    from omni.speech import SpeechRecognizer
+    from omni.tokenizers.audio import AudioTokenizer
+    from omni.tokenizers.text import TextTokenizer
+    from omni.trunk import preset
+
+    audio, text = AudioTokenizer(), TextTokenizer()
+    window = {"pattern": {"kind": "window", "before": 3, "after": 3}, "full_every": 0}
+    torch.manual_seed(0)
+    model = SpeechRecognizer(audio, text, preset("tiny", attention=window),
+                             preset("tiny", cross_attention=True, attention=window)).eval()
+    with torch.no_grad():
+        for p in model.decoder.parameters():
+            p.add_(torch.randn_like(p) * 0.5)  # varied tokens, not one repeated
+    g = torch.Generator().manual_seed(3)
+    for batch in range(2):
+        x = torch.randn(2, 30, audio.n_mels * audio.kernel, generator=g)
+        mask = torch.ones(2, 30, dtype=torch.bool)
+        mask[1, 21:] = False
+        with torch.no_grad():
+            memory = model.encode(x, mask)
+            cached = greedy_decode(model, memory, mask, max_new_tokens=12, max_repeats=None, min_new_tokens=12)
+            full = greedy_decode(model, memory, mask, max_new_tokens=12, max_repeats=None, min_new_tokens=12,
+                                 use_cache=False)
+            stepped = greedy_decode(model, memory, mask, max_new_tokens=12, max_repeats=None, min_new_tokens=12,
+                                    graph=True)  # the fixed-shape step (eager on the CPU)
+        assert isinstance(model.decoder.new_cache(2, 8), RingKVCache)
+        assert cached == full == stepped and all(len(row) == 12 for row in cached)
+        assert len({t for row in cached for t in row}) > 3
