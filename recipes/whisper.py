@@ -306,12 +306,12 @@ def mask_settings(cfg: dict, text: TextTokenizer) -> dict:
     """The export config's Mask-CTC entries: {"mask_token", "mask_weight"} when the run trains the masked LM
     (mask_weight > 0: `omni transcribe --decode mask-ctc` reads them), else {} (the export as without it). The
     mask token is omni's reserved slot ``MASK_TOKEN``; a vocabulary without it is refused in one line."""
-    if cfg["mask_weight"] == 0:
+    if not cfg.get("mask_weight"):  # unset (a config written before mask_weight) or 0
         return {}
     if MASK_TOKEN not in text.special_tokens:
         raise ValueError(f"mask_weight > 0 needs the mask token {MASK_TOKEN} (a reserved slot of omni's text "
                          "tokenizers); this vocabulary has none (a converted Whisper's): set mask_weight=0")
-    return {"mask_token": MASK_TOKEN, "mask_weight": cfg["mask_weight"]}
+    return {"mask_token": MASK_TOKEN, "mask_weight": float(cfg["mask_weight"])}
 
 
 def from_init(cfg: dict) -> tuple[SpeechRecognizer, dict, dict]:
