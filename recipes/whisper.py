@@ -75,8 +75,9 @@ from omni.data.reader import ShardLoader
 from omni.data.remote import dataset_source
 from omni.data.shards import read_manifest
 from omni.deps import require
+from omni.mask_ctc import mask_ctc_decode
 from omni.speech import (MASK_TOKEN, SpeechCollate, SpeechLoss, SpeechRecognizer, ctc_greedy_decode, ctc_labels,
-                         error_counts, masked_lm_text, transcribe_batch)
+                         decode_batch, error_counts, masked_lm_text, transcribe_batch)
 from omni.tokenizers.audio import AudioTokenizer
 from omni.tokenizers.text import IGNORE_INDEX, TextTokenizer
 from omni.train import Trainer, process_state, unwrap
@@ -345,7 +346,8 @@ class Scorer:
     samples of the pass (None: all) as `omni transcribe` does (``transcribe_batch``: the model's prompt, stop and
     logit rules), adding up word and character edits; ``metrics`` (the model_metrics_fn,
     run after the pass) turns every rank's sums into corpus WER and CER (with a CTC head also its best-path
-    CER: what the encoder alone hears) and the number of reference words scored, then starts over.
+    CER: what the encoder alone hears; trained with mask_weight also Mask-CTC's, as `omni transcribe --decode
+    mask-ctc` gives it) and the number of reference words scored, then starts over.
 
     Alongside, so that no number is read alone: the character edits of two trivial transcribers on the same
     references (an empty transcript, 100% by definition; ``constant``, one training sentence said every time),
@@ -359,8 +361,8 @@ class Scorer:
                  samples: Path | None = None) -> None:
         self.text, self.limit, self.max_new_tokens = text, limit, max_new_tokens
         self.constant, self.samples_dir = constant, samples
-        # word edits, words, char edits, chars, CTC char edits, the constant transcript's char edits
-        self.sums, self.samples = torch.zeros(6, dtype=torch.float64), 0
+        # word edits, words, char edits, chars, CTC char edits, the constant transcript's char edits, Mask-CTC's
+        self.sums, self.samples = torch.zeros(7, dtype=torch.float64), 0
         self.rows: list[tuple[str, ...]] = []
         self.seconds, self._started = 0.0, None  # type: float, float | None
         self.last: dict[str, float] = {}  # the latest metrics, with the baselines' CER
@@ -379,10 +381,14 @@ class Scorer:
                                     check_every=8)
             refs = [self.text.decode(ref) for ref in batch.text.tolist()]  # the prompt's specials are dropped
             heard = ctc_greedy_decode(ctc_logits, batch.audio_mask) if ctc else refs
-            for key, ref, hyp, ctc_hyp in zip(batch.keys, refs, said, heard):
+            filled = refs
+            if ctc and m.mask_id is not None:  # trained for Mask-CTC: its text too (omni transcribe's defaults)
+                ids = decode_batch(m, batch.audio, batch.audio_mask, parallel=mask_ctc_decode(m, self.text))
+                filled = [self.text.decode(row) for row in ids]
+            for key, ref, hyp, ctc_hyp, mask_hyp in zip(batch.keys, refs, said, heard, filled):
                 counts = error_counts(ref, hyp)
-                self.sums += torch.tensor([*counts, error_counts(ref, ctc_hyp)[2],
-                                           error_counts(ref, self.constant)[2]], dtype=torch.float64)
+                self.sums += torch.tensor([*counts, error_counts(ref, ctc_hyp)[2], error_counts(ref, self.constant)[2],
+                                           error_counts(ref, mask_hyp)[2]], dtype=torch.float64)
                 if self.samples_dir is not None:
                     self.rows.append((key, ref, ctc_hyp if ctc else "", hyp))
             self.samples += len(refs)
@@ -397,7 +403,7 @@ class Scorer:
         if self._started is not None:
             self.seconds += time.perf_counter() - self._started
             self._started = None
-        word_edits, words, char_edits, chars, ctc_edits, constant_edits = sums.tolist()
+        word_edits, words, char_edits, chars, ctc_edits, constant_edits, mask_edits = sums.tolist()
         if not chars:
             return {}
         if self.samples_dir is not None:
@@ -405,6 +411,8 @@ class Scorer:
         out = {"wer": word_edits / max(words, 1.0), "cer": char_edits / chars, "words": words}
         if unwrap(model).ctc_head is not None:
             out["ctc_cer"] = ctc_edits / chars
+            if unwrap(model).mask_id is not None:
+                out["mask_ctc_cer"] = mask_edits / chars
         self.last = {**out, "empty_cer": 1.0, "constant_cer": constant_edits / chars}
         return out
 
@@ -478,6 +486,8 @@ def result_line(report: str, metrics: dict, baselines: dict, constant: str) -> s
     if "eval/ctc_cer" in metrics:
         ctc = f"CTC head (best path) {pct(metrics['eval/ctc_cer'])}"
         heads = [ctc, decoder] if report == "ctc" else [decoder, ctc]
+        if "eval/mask_ctc_cer" in metrics:
+            heads.append(f"Mask-CTC (3 passes) {pct(metrics['eval/mask_ctc_cer'])}")
     line = f"test CER: {heads[0]}" + "".join(f", {h}" for h in heads[1:])
     line += f"; test WER (decoder) {pct(metrics.get('eval/wer', math.nan))}"
     if "constant_cer" in baselines:

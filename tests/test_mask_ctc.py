@@ -318,3 +318,28 @@ def test_recipe_mask_weight(toks, tmp_path):
     example = whisper.prompted_example(audio, text, (1, 3), "keep", True, torch.zeros(8000).numpy(),
                                        "Hello, World!", mlm=True)
     assert text.decode(example["mlm"].tolist()) == "hello world" and example["mlm_start"] == 2
+
+
+def test_recipe_scores_mask_ctc(toks):
+    """The recipe's Scorer adds Mask-CTC's CER for a model trained for it (what --decode mask-ctc prints), the result
+    line names it after the CTC head's and the decoder's."""
+    from conftest import load_recipe
+
+    whisper = load_recipe("whisper", "whisper_recipe_score")
+    audio, text = toks
+    model = mask_model(audio, text, scale=2.0)
+    g = torch.Generator().manual_seed(0)
+    items = [whisper.prompted_example(audio, text, tuple(model.prompt), "keep", True,
+                                      (torch.randn(12000, generator=g) * 0.1).numpy(), t, key=str(i), mlm=True)
+             for i, t in enumerate(TEXTS)]
+    batch = SpeechCollate(text.pad_id)(items)
+    scorer = whisper.Scorer(text, None, 8)
+    scorer.eval_fn(model, batch)
+    metrics = scorer.metrics(model, 0)
+    ids = decode_batch(model, batch.audio, batch.audio_mask, parallel=mask_ctc_decode(model, text))
+    from omni.speech import error_rates
+
+    want = error_rates([text.decode(r) for r in batch.text.tolist()], [text.decode(r) for r in ids])["cer"]
+    assert metrics["mask_ctc_cer"] == pytest.approx(want)
+    line = whisper.result_line("ctc", {f"eval/{k}": v for k, v in metrics.items()}, scorer.last, "")
+    assert line.index("CTC head") < line.index("decoder (greedy)") < line.index("Mask-CTC (3 passes)")
