@@ -255,7 +255,8 @@ def trained(args: argparse.Namespace) -> list[dict]:
                              cer=rates["cer"], wer=rates["wer"], stats=None if stats is None else vars(stats),
                              masked=mstats.masked if mstats is not None else None))
             r = rows[-1]
-            print(f"b{batch:<3d} {name:28s} passes/token {passes * batch / out_tokens:.3f}  {out_tokens / cpu:7.0f} tok/CPU-s "
+            print(f"b{batch:<3d} {name:28s} passes/token {passes * batch / out_tokens:.3f}  "
+                  f"{out_tokens / cpu:7.0f} tok/CPU-s "
                   f"CER {100 * r['cer']:.1f}%  WER {100 * r['wer']:.1f}%", file=sys.stderr)
     return rows
 

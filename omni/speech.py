@@ -429,7 +429,8 @@ class SpeechCollate:
                 n = it["mlm"].shape[0]
                 mlm[i, :n], real[i, :n] = it["mlm"], True
                 body[i, int(it["mlm_start"]):n - 1] = True  # the transcript's tokens: not the prompt, not eos
-        return SpeechBatch(audio, mask, text, targets, [str(it["key"]) for it in items], labels, lengths, mlm, body, real)
+        return SpeechBatch(audio, mask, text, targets, [str(it["key"]) for it in items], labels, lengths, mlm, body,
+                           real)
 
 
 def speech_example(audio_tok: AudioTokenizer, text_tok: TextTokenizer, audio: Any, transcript: str,
@@ -622,5 +623,6 @@ __all__ = [
     "beam_search", "build_speech_recognizer", "ctc_greedy_decode", "ctc_labels", "edit_distance", "error_counts",
     "error_rates", "greedy_decode", "normalize_text", "pad_audio", "speech_example", "speech_loss",
     "transcribe_batch", "MAX_INITIAL_TIMESTAMP", "TIMESTAMP_SECONDS", "TimestampMode", "decode_batch",
-    "timestamp_segments", "DraftSource", "ctc_draft", "model_draft", "ngram_draft", "MASK_TOKEN", "mask_tokens", "masked_lm_text",
+    "timestamp_segments", "DraftSource", "ctc_draft", "model_draft", "ngram_draft", "MASK_TOKEN", "mask_tokens",
+    "masked_lm_text",
 ]

@@ -186,7 +186,8 @@ def test_easy_first_iterations(toks, iterations):
         for t in range(runs[b]):
             active = [r for r in range(3) if t < runs[r]]
             before = model.inputs[t][active.index(b)]
-            after = final if t + 1 == runs[b] else model.inputs[t + 1][[r for r in range(3) if t + 1 < runs[r]].index(b)]
+            following = [r for r in range(3) if t + 1 < runs[r]]
+            after = final if t + 1 == runs[b] else model.inputs[t + 1][following.index(b)]
             remaining = [i for i in range(len(drafts[b].ids)) if int(before[P + i]) == model.mask_id]
             if t == 0:
                 assert remaining == [i for i, x in enumerate(masks[b]) if x]
