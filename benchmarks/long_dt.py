@@ -12,7 +12,8 @@ layer (omni.trunk.KVCache); a windowed trunk a RingKVCache of ``--window`` token
 full the rollout refills it every step with the last context - 1 steps (as the model was trained on windows of
 ``context`` steps), so a context shorter than the episode costs a (3 x context)-token forward per step.
 Reported: seconds per rollout step (all envs), the cache's bytes, and peak memory = the process's peak RSS during
-the rollout minus its RSS before (/proc/self/clear_refs resets the peak).
+the rollout minus its RSS before (/proc/self/clear_refs resets the peak; MALLOC_MMAP_THRESHOLD_=65536, so
+glibc returns freed tensors and the peak is what was live, not the allocator's high-water mark).
 """
 
 from __future__ import annotations
@@ -105,7 +106,8 @@ def main() -> None:
     if args.point:
         print(json.dumps(point(args.point[0], int(args.point[1]), args.window, args.envs, args.steps)))
         return
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    # glibc: allocations over 64 KiB straight from mmap and back on free, so the peak RSS is what was live
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "MALLOC_MMAP_THRESHOLD_": "65536"}
     rows = []
     for context in args.contexts:
         for attention in ("full", "window"):

@@ -17,7 +17,8 @@ The table: each (model, length) in its own process (``--point``): the export, th
 first, one document per forward: SDPA's causal kernel for full attention, the banded path for the window), fp32.
 The learned-positions model past its table is forced through the trunk, which reads the table's last row for
 every later position (what the recipe refuses): the measured failure. Peak memory = the process's peak RSS during
-scoring minus its RSS before (/proc/self/clear_refs resets the peak).
+scoring minus its RSS before (/proc/self/clear_refs resets the peak; MALLOC_MMAP_THRESHOLD_=65536: glibc returns
+freed tensors, so the peak is what was live).
 """
 
 from __future__ import annotations
@@ -42,8 +43,8 @@ WINDOW = 256
 MODELS: dict[str, list[str]] = {  # name -> the recipe's --set entries beyond COMMON_SETS
     "learned": ["positions=learned_1d"],
     "rope-full": ["positions=rope"],
-    f"rope-window{WINDOW}": ["positions=rope", "trunk_overrides.attention={'kind': 'window', 'before': %d, "
-                             "'after': 0}" % WINDOW],
+    f"rope-window{WINDOW}": ["positions=rope",
+                             f"trunk_overrides.attention={{'kind': 'window', 'before': {WINDOW}, 'after': 0}}"],
 }
 COMMON_SETS = ["documents=stream", "context=1024", "row_length=1024", "rows=2", "eval_fraction=0.04", "samples=0",
                "report_to=none", "progress=False", "checkpoint_every=0"]
@@ -129,7 +130,8 @@ def main() -> None:
         print(json.dumps(point(args.point[0], args.point[1], int(args.point[2]))))
         return
     out = Path(args.out)
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    # glibc: allocations over 64 KiB straight from mmap and back on free, so the peak RSS is what was live
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "MALLOC_MMAP_THRESHOLD_": "65536"}
     train_cpu: dict[str, float] = {}
     for name in args.models:
         cmd = recipe_command(name, args)
