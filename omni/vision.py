@@ -18,9 +18,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from omni.attention_patterns import LayerMasks, pattern_masks
 from omni.export_kinds import IMAGE_CLASSIFIER
 from omni.heads import HEAD_NORM_EPS, ClassificationHead, Pool, pool_segments
-from omni.attention_patterns import LayerMasks, pattern_masks
 from omni.model import CarriedTensors
 from omni.tokenizers.image import ImagePatchEmbedder, ImageTokenizer, grid_positions, patchify, unpatchify
 from omni.trunk import Trunk, TrunkConfig

@@ -238,11 +238,12 @@ def build_data(cfg: dict, rank: int, world: int, device: torch.device):
         decode = DecodeImage(cfg["channels"], cfg["image_size"], cfg["resize"], train, cfg["train_crop"])
         limit = cfg["limit_train" if train else "limit_eval"]
         if cfg["in_memory"]:
-            once = ShardLoader(data, decode, stack, batch_size=1024, split=split, rank=0, world_size=1, shuffle=False,
+            chunk = min(1024, limit or 1024)
+            once = ShardLoader(data, decode, stack, batch_size=chunk, split=split, rank=0, world_size=1, shuffle=False,
                                num_workers=cfg["workers"] if device.type == "cuda" else 0,
                                max_corrupt_fraction=cfg["max_corrupt_fraction"], kind="images")
-            # with a limit, only the batches it keeps are decoded (1,024-px images are 3 MB each)
-            images, labels = materialise(itertools.islice(once, math.ceil(limit / 1024)) if limit else once, device)
+            # with a limit, only the batches it keeps are decoded (1,024-px RGB images are 3 MB each)
+            images, labels = materialise(itertools.islice(once, math.ceil(limit / chunk)) if limit else once, device)
             if limit:
                 images, labels = images[:limit], labels[:limit]
             loaders[split] = TensorLoader([images, labels], cfg["batch_size"], shuffle=train, seed=cfg["seed"],

@@ -73,7 +73,7 @@ def test_a_converted_peer_keeps_full_attention_unless_asked(peer):
     x = images(2, 32)
     same = adapt_classifier(config, state, tokenizers["image"], image_size=32).eval()
     with torch.no_grad():  # at its own size the converted model is timm's
-        assert (same(x) - model(((x - 0.5) / 0.5))).abs().max() <= 1e-4
+        assert (same(x) - model((x - 0.5) / 0.5)).abs().max() <= 1e-4
     windowed = adapt_classifier(config, state, tokenizers["image"], image_size=64, attention=SCHEDULE)
     assert windowed.trunk.cfg.attention == SCHEDULE
     assert [p is None for p in windowed.trunk.schedule.layers] == [False, True, False]
@@ -145,8 +145,9 @@ def test_omni_grid_vit_windowed_equals_the_dense_reference():
 def test_recipe_fine_tunes_at_a_larger_size_with_windows_and_predicts(peer, tmp_path, capsys):
     """recipes/vit.py --set init=<timm hub dir> image_size=64 resize=64 trunk_overrides.attention=...: a few steps
     run, the export keeps the pattern, `omni predict` (fast and with --attention) reads it and equals the model."""
-    from test_vit_recipe import synthetic_images
     from conftest import write_idx_gz
+    from test_vit_recipe import synthetic_images
+
     from omni.data.builders_vision import build_fashion_mnist
 
     idx = tmp_path / "idx"
@@ -170,7 +171,7 @@ def test_recipe_fine_tunes_at_a_larger_size_with_windows_and_predicts(peer, tmp_
     assert model.trunk.schedule.sparse and model.tokenizer.image_size == (64, 64)
     picture = tmp_path / "shoe.png"
     Image.fromarray(synthetic_images(1, rng)[0][0]).save(picture)  # 28 px: the tokenizer resizes it to 64
-    classify, tokenizer, names, loaded, _ = image_classifier(export, "cpu")
+    classify, tokenizer, _, loaded, _ = image_classifier(export, "cpu")
     seg = tokenizer.encode(picture)
     with torch.no_grad():
         logits = classify(seg)
@@ -189,10 +190,10 @@ def test_recipe_fine_tunes_at_a_larger_size_with_windows_and_predicts(peer, tmp_
 
 
 @pytest.mark.parametrize("sets,said", [
-    (["trunk_overrides.d_model=64"], "trunk_overrides.d_model: init brings its own trunk; with init, "
-                                     "trunk_overrides sets only attention"),
-    (["image_size=1000", "patch=16", "init=None"], "image_size 1000 must be a multiple of patch 16: images are cut "
-                                                   "into patch x patch squares (the nearest that fit: 992 or 1008)"),
+    (["trunk_overrides.d_model=64"], ("trunk_overrides.d_model: init brings its own trunk; with init, "
+                                      "trunk_overrides sets only attention")),
+    (["image_size=1000", "patch=16", "init=None"], ("image_size 1000 must be a multiple of patch 16: images are cut "
+                                                    "into patch x patch squares (the nearest that fit: 992 or 1008)")),
 ])
 def test_user_errors_are_one_line_before_data(sets, said, capsys):
     with pytest.raises(SystemExit) as stop:
