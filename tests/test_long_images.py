@@ -212,3 +212,20 @@ def test_an_attention_schedule_that_does_not_fit_the_init_is_one_line_before_dat
                             "--set", f"init={hub}", "image_size=64",
                             f"trunk_overrides.attention={{'layers': [{WINDOW!r}, None]}}"])
     assert not (tmp_path / "none").exists()
+
+
+def test_sample_pictures_use_the_last_layer_when_a_rollout_would_not_fit():
+    """vit.py's pictures: a ViT-Ti/16 rollout holds 12 x 3 x 197^2 floats at 224 px (5.6 MB: rollout) but 2.4 GB at
+    1,024 px (4,097 tokens: the last layer only)."""
+    vit = load_recipe()
+    with torch.device("meta"):
+        model = build_vit_ti(1024)
+    assert vit.attention_method(model, (224, 224)) == "rollout"
+    assert vit.attention_method(model, (512, 512)) == "rollout"  # 12 x 3 x 1,025^2 x 4 bytes = 151 MB
+    assert vit.attention_method(model, (1024, 1024)) == "last"
+
+
+def build_vit_ti(size: int) -> ImageClassifier:
+    image = ImageTokenizer(16, channels=3, image_size=size, cls=True, positions="sequence")
+    trunk = TrunkConfig(d_model=192, n_layers=12, n_heads=3, positions="learned_1d", max_positions=(size // 16) ** 2 + 1)
+    return ImageClassifier(image, trunk, 10, pool="cls")
