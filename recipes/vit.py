@@ -19,10 +19,11 @@ backbone: a classifier without classes; omni.interop). Its architecture (trunk, 
 normalisation) replaces this config's; the image size and the classes are this run's: another size resamples its
 position table, another class count gets a new head (omni.init.read_init, omni.vision.adapt_classifier). Of
 trunk_overrides only ``attention`` applies to it: the model's attention patterns (omni.attention_patterns; without
-it a converted peer keeps full attention). At 1,024 px (4,096 patches of 16) a 2-D window on the patch grid with
-the CLS token global and every 4th layer full (ViTDet's layout) costs about a third of full attention's time
-(benchmarks/long_images.py, /work/notes/results_long_images.md); use the {'pattern': ..., 'full_every': k} form with
-init (a 'layers' list is checked against this config's trunk before the model is read).
+it a converted peer keeps full attention). A 2-D window on the patch grid with the CLS token global and every 4th
+layer full (ViTDet's layout, the example above) pays on the CPU from about 2,048 px: at 1,024 px (4,097 tokens) the
+CPU's flash attention is as fast (ViT-Ti/16 fwd + bwd 9.1 CPU-s full, 9.6 windowed), at 2,048 px one windowed layer
+costs half a full one (benchmarks/long_images.py). With init use the {'pattern': ..., 'full_every': k} form (a 'layers'
+list is checked against this config's trunk before the model is read).
 """
 
 from __future__ import annotations
