@@ -349,6 +349,18 @@ def mixup_cutmix(images: Tensor, labels: Tensor, n_classes: int, alpha: float, c
 # ----------------------------------------------------------------------------------------------------
 # Prediction (omni predict)
 
+ROLLOUT_BYTES = 256 * 2 ** 20  # the most attention maps one image's rollout picture may hold
+
+
+def attention_method(model: ImageClassifier, size: Sequence[int]) -> Literal["rollout", "last"]:
+    """How to draw what ``model`` looks at in one image of ``size`` (h, w) pixels (omni.introspect.image_attention):
+    "rollout" (every layer's maps, multiplied through) unless that would hold more than ROLLOUT_BYTES, then "last"
+    (one layer). A capture keeps (heads, T, T) float32 per layer whatever the attention pattern: 4,097 tokens
+    (1,024 px, patch 16) x 3 heads x 12 layers is 2.4 GB, and 12 products of 4,097^2 matrices."""
+    tokens = (int(size[0]) // model.patch_size) * (int(size[1]) // model.patch_size) + int(model.cls)
+    cfg = model.trunk.cfg
+    return "rollout" if 4 * cfg.n_heads * tokens ** 2 * cfg.n_layers <= ROLLOUT_BYTES else "last"
+
 
 def image_domain(images: Tensor) -> dict[str, float]:
     """What the images a classifier trains on look like, for ``omni predict`` to compare a photo with: the mean

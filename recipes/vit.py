@@ -54,7 +54,7 @@ from omni.tokenizers.image import ImageTokenizer
 from omni.train import Trainer, process_state, unwrap
 from omni.trunk import preset
 from omni.vision import (BUILDER, KEEP, BatchAugment, ConvStem, ImageClassifier, adapt_classifier, adapted_trunk,
-                         image_domain, mixup_cutmix)
+                         attention_method, image_domain, mixup_cutmix)
 
 # ---------------------------------------------------------------------------------------------------
 # Config. Every entry can be overridden with --set key=value.
@@ -127,18 +127,6 @@ def size_error(size: int, patch: int, what: str) -> str:
     fit = f"{below} or {above}" if below else f"{above}"
     return (f"image_size {size} must be a multiple of {what}: images are cut into patch x patch squares "
             f"(the nearest that fit: {fit})")
-
-
-ROLLOUT_BYTES = 256 * 2 ** 20  # the most attention maps one image's rollout picture may hold
-
-
-def attention_method(model: ImageClassifier, size) -> str:
-    """"rollout" (every layer's maps, multiplied through) for the sample pictures, unless one image's maps would
-    hold more than ROLLOUT_BYTES: then "last" (one layer). A capture keeps (heads, T, T) float32 per layer:
-    4,097 tokens (1,024 px, patch 16) x 3 heads x 12 layers is 2.4 GB and 12 products of 4,097^2 matrices."""
-    tokens = (int(size[0]) // model.patch_size) * (int(size[1]) // model.patch_size) + int(model.cls)
-    cfg = model.trunk.cfg
-    return "rollout" if 4 * cfg.n_heads * tokens ** 2 * cfg.n_layers <= ROLLOUT_BYTES else "last"
 
 
 def parse_args(argv=None) -> dict:
