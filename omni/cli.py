@@ -181,6 +181,12 @@ def _transcribe(args: argparse.Namespace) -> int:
         raise UsageError(f"--draft decodes greedily (the same text in fewer passes): not with --decode {args.decode}"
                          + (f" --beam-size {args.beam_size}" if args.decode == "beam" else ""))
     _check_draft_option(args.draft, ("ctc", "ngram"))
+    if args.long_form == "one-pass" and args.decode != "ctc":
+        raise UsageError(f"--long-form one-pass gives the CTC head's text (the decoder reads 30 s at most): add "
+                         f"--decode ctc (not --decode {args.decode})")
+    if args.long_form == "one-pass" and args.alignment is not None:
+        raise UsageError("--alignment draws each window's alignment; --long-form one-pass has no windows: use "
+                         "--long-form pauses (or auto) with --alignment")
     if args.format in ("srt", "vtt") and len(args.files) > 1 and args.output_dir is None:
         raise UsageError(f"--format {args.format} is one document per file: give --output-dir DIR for "
                          f"{len(args.files)} files")
@@ -230,7 +236,8 @@ def _transcribe(args: argparse.Namespace) -> int:
                                    max_new_tokens=args.max_new_tokens, return_exceptions=True, timestamps=timed,
                                    timing={"method": args.timestamps, "keep_alignment": bool(pictures)},
                                    draft=args.draft, draft_tokens=args.draft_tokens, decode=args.decode,
-                                   iterations=args.iterations, mask_threshold=args.mask_threshold)
+                                   iterations=args.iterations, mask_threshold=args.mask_threshold,
+                                   windows=args.long_form)
         if pictures:
             from omni.alignment_plot import write_alignment_png
             from omni.export import load_tokenizers
@@ -429,6 +436,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "(a converted Whisper's: score / length, as whisper.decode; omni's models: GNMT 1.0)")
     p.add_argument("--batch-size", type=_positive_int, default=16, help="30 s windows decoded together")
     p.add_argument("--max-new-tokens", type=_positive_int, default=224, help="most tokens per 30 s window")
+    p.add_argument("--long-form", choices=("auto", "pauses", "whisper", "one-pass"), default="auto",
+                   help="how a long file is read: pauses (omni's windows cut at pauses), whisper (whisper.transcribe's "
+                        "loop), one-pass (the whole file in ONE encoder pass, the CTC head's text: exports whose "
+                        "encoder attends locally, recipes/whisper.py --preset cpu-long; needs --decode ctc); auto: "
+                        "one-pass for such exports with --decode ctc, else the export's own")
     p.add_argument("--decode", choices=("greedy", "beam", "ctc", "mask-ctc"), default=None,
                    help="greedy (default), beam (--beam-size, default 5), ctc (the CTC head's own text: no decoder "
                    "pass; word times from CTC), mask-ctc (the CTC text's unsure tokens re-predicted by the decoder in "

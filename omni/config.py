@@ -484,7 +484,8 @@ def check_trunk(cfg: Mapping[str, Any], keys: Mapping[str, Key] = RULES) -> Trun
     return trunk
 
 
-def check_attention(trunk: TrunkConfig, cfg: Mapping[str, Any], layout: SetsTrunk) -> None:
+def check_attention(trunk: TrunkConfig, cfg: Mapping[str, Any], layout: SetsTrunk,
+                    name: str = "trunk_overrides.attention") -> None:
     """ValueError in one line when ``trunk_overrides.attention`` asks what the recipe's tokens cannot take: a 2-D
     window where tokens have no grid (text, audio frames, trajectories: their (row, col) positions are (p, p),
     so the "2-D" window would silently be a 1-D one), or more global tokens than the longest segment holds (every
@@ -498,11 +499,11 @@ def check_attention(trunk: TrunkConfig, cfg: Mapping[str, Any], layout: SetsTrun
     for i, pattern in enumerate(schedule_from_config(trunk.attention, trunk.n_layers).layers):
         for part in [] if pattern is None else pattern_parts(pattern):
             if isinstance(part, Window2D) and not layout.grid:
-                raise ValueError(f"trunk_overrides.attention: layer {i}'s window2d needs every segment's tokens on a "
+                raise ValueError(f"{name}: layer {i}'s window2d needs every segment's tokens on a "
                                  "2-D grid (image patches); this recipe's are sequences (text, audio or steps): "
                                  "use {'kind': 'window', 'before': n, 'after': n}")
             if isinstance(part, Global) and longest is not None and part.first >= longest[0]:
-                raise ValueError(f"trunk_overrides.attention: layer {i}'s global first={part.first} covers every "
+                raise ValueError(f"{name}: layer {i}'s global first={part.first} covers every "
                                  f"token of a segment here (at most {longest[0]}, from {longest[1]}): give fewer "
                                  "global tokens, or full attention (null)")
 

@@ -63,7 +63,7 @@ from rapidfuzz.distance import Levenshtein
 from rapidfuzz.process import cdist
 
 from omni.asr_text import normalize_text
-from omni.config import POSITIVE, Check, Key, at_least, keywords_of, one_of
+from omni.config import POSITIVE, Check, Key, SetsTrunk, at_least, check_attention, keywords_of, one_of
 from omni.recipe_runtime import check_corpus, rank_zero_first, recipe_config, recipe_parser, run_recipe, train_config
 from omni.data.builders_speech import build_speech_synth, load_paragraphs
 from omni.data.speech import extract_sentences
@@ -81,7 +81,7 @@ from omni.speech import (MASK_TOKEN, SpeechCollate, SpeechLoss, SpeechRecognizer
 from omni.tokenizers.audio import AudioTokenizer
 from omni.tokenizers.text import IGNORE_INDEX, TextTokenizer
 from omni.train import Trainer, process_state, unwrap
-from omni.trunk import preset
+from omni.trunk import TrunkConfig, preset
 
 # ---------------------------------------------------------------------------------------------------
 # Config. Every entry can be overridden with --set key=value.
@@ -102,6 +102,9 @@ COMMON = dict(
                     "the CTC head (its text is what the masked LM edits: `omni transcribe --decode mask-ctc`)"),
     audio_positions=Key("none", check=one_of("none", "sinusoidal"),
                         help="'sinusoidal': Whisper's absolute positions added to the audio embeddings"),
+    encoder_attention=Key(None, (dict, None), help="the encoder's attention patterns (TrunkConfig.attention, e.g. "
+                          "{'pattern': {'kind': 'window', 'before': 64, 'after': 64}}; None: trunk_overrides'); a "
+                          "local encoder reads a long recording in one pass (`omni transcribe --long-form one-pass`)"),
     audio_stride=Key(2, int, at_least(1), "one audio token every N 10-ms mel frames (2: 50 Hz, Whisper's rate; 3: "
                      "33 Hz, a third fewer encoder tokens); an init brings its own"),
     report=Key("decoder", check=one_of("decoder", "ctc"),
@@ -134,6 +137,16 @@ PRESETS: dict[str, dict] = {
                 trunk="tiny", trunk_overrides=dict(d_model=128, n_layers=3), audio_stride=3, ctc_weight=0.5,
                 batch_size=16, steps=1600, lr=2e-3, warmup_steps=200, workers=1, eval_every=400, checkpoint_every=400,
                 eval_batch_size=50, max_new_tokens=48, report="ctc"),
+    # cpu with a local encoder (64 audio tokens either side, +-1.9 s at 33 Hz; 3 layers reach +-5.8 s) and RoPE:
+    # length-invariant, so `omni transcribe` reads a long recording in ONE encoder pass (omni.pipelines.long_audio).
+    # 800 steps (2026-11-27, shared 2-core EPYC): CTC head 24.4% CER on the 200 held-out sentences; on synthesised
+    # 1 / 10 / 60-minute recordings one pass scores 29.8 / 23.8 / 23.2%, 30 s windows 29.8 / 23.9 / 23.1%
+    # (benchmarks/long_audio.py).
+    "cpu-long": dict(data="data/speech-synth-cpu", build=dict(train=6000, test=200, max_words=15),
+                     out="runs/whisper-cpu-long", trunk="tiny", trunk_overrides=dict(d_model=128, n_layers=3),
+                     encoder_attention={"pattern": {"kind": "window", "before": 64, "after": 64}}, audio_stride=3,
+                     ctc_weight=0.5, batch_size=16, steps=1600, lr=2e-3, warmup_steps=200, workers=1, eval_every=400,
+                     checkpoint_every=400, eval_batch_size=50, max_new_tokens=48, report="ctc"),
     # Whisper-base shape: 6 encoder + 6 decoder layers, width 512, 8 heads (one GPU).
     # lr: Whisper-base's 1e-3 is for batch 256; at batch 64 it diverged on the H100 (non-finite gradients at
     # step 537, right after warm-up), so 5e-4 (the square-root batch rule).
@@ -158,6 +171,14 @@ def parse_args(argv=None) -> dict:
     if cfg["mask_weight"] > 0 and cfg["ctc_weight"] == 0:
         ap.error("mask_weight > 0 trains the decoder to edit the CTC head's text (Mask-CTC): it needs the CTC head, "
                  "ctc_weight > 0 (or unset)")
+    if cfg["encoder_attention"] is not None:
+        if cfg["init"] is not None:
+            ap.error("encoder_attention: init brings its own encoder; with init, trunk_overrides.attention sets the "
+                     "patterns of both trunks")
+        try:
+            check_attention(encoder_trunk(cfg), cfg, SetsTrunk(lambda v: True, ""), name="encoder_attention")
+        except (ValueError, TypeError) as exc:
+            ap.error(f"encoder_attention: {exc}" if not str(exc).startswith("encoder_attention") else str(exc))
     if cfg["data"] is None:
         ap.error(f"preset {cfg['preset']!r} needs --data DIR (shards from `omni data librispeech` or "
                  "`omni data speech-synth`)")
@@ -290,9 +311,16 @@ def fit_bpe(cfg: dict, data: Path, path: Path) -> TextTokenizer:
 # Model
 
 
+def encoder_trunk(cfg: dict) -> TrunkConfig:
+    """The encoder's TrunkConfig: the ``trunk`` preset with ``trunk_overrides``, its attention ``encoder_attention``'s
+    when set (the decoder keeps trunk_overrides')."""
+    attention = {"attention": cfg["encoder_attention"]} if cfg["encoder_attention"] is not None else {}
+    return preset(cfg["trunk"], **{**cfg["trunk_overrides"], **attention})
+
+
 def from_scratch(cfg: dict, audio: AudioTokenizer, text: TextTokenizer) -> tuple[SpeechRecognizer, dict]:
     """A new model of the ``trunk`` preset and its export config."""
-    encoder = preset(cfg["trunk"], **cfg["trunk_overrides"])
+    encoder = encoder_trunk(cfg)
     decoder = preset(cfg["trunk"], cross_attention=True, **cfg["trunk_overrides"])
     ctc = cfg["ctc_weight"] is None or cfg["ctc_weight"] > 0
     mask = mask_settings(cfg, text)

@@ -175,3 +175,51 @@ def test_rope_with_a_window_holds_an_hour_in():
         start = model.encoder(x)
         later = model.encoder(x, torch.arange(120_000, 120_300)[None])
     assert (start - later).abs().max().item() <= 1e-5
+
+
+def test_omni_transcribe_reads_a_local_encoder_export_in_one_pass(tmp_path, capsys):
+    """`omni transcribe --decode ctc` on an export whose encoder attends locally reads each file in one encoder pass
+    (auto, and --long-form one-pass): the text of one_pass, word times absolute; a 45 s file is longer than any
+    window. Wrong uses are one line, exit 2: one pass without --decode ctc, with --alignment, on a full-attention
+    export."""
+    import json
+
+    import soundfile as sf
+
+    from _interop import cli_error
+
+    from omni.cli import main
+    from omni.export import save_pretrained
+    from omni.pipelines.transcribe import read_audio_file
+
+    model = speech_model()
+    with torch.no_grad():
+        model.ctc_head.weight.mul_(4.0)  # a varied best path, not all blanks
+    toks = {"audio": AudioTokenizer(max_seconds=None, stride=3), "text": TextTokenizer()}  # speech_model's
+    config = {"builder": "omni.speech:build_speech_recognizer", "encoder": model.encoder.cfg.to_dict(),
+              "decoder": model.decoder.cfg.to_dict(), "ctc": True}
+    local = save_pretrained(model, tmp_path / "local", config, tokenizers=toks)
+    full_model = speech_model(attention=None)
+    full = save_pretrained(full_model, tmp_path / "full", {**config, "encoder": full_model.encoder.cfg.to_dict()},
+                           tokenizers=toks)
+    wav = tmp_path / "long.wav"
+    sf.write(wav, torch.cat([torch.zeros(SR * 5), wave_of(40.0)]).numpy(), SR)
+    want_text, want_words = one_pass(model, toks["audio"], read_audio_file(wav, SR), span_seconds=300.0)
+    assert want_text and want_words
+    for extra in ([], ["--long-form", "one-pass"]):
+        assert main(["transcribe", "--checkpoint", str(local), "--device", "cpu", "--format", "json", "--decode", "ctc",
+                     *extra, str(wav)]) == 0
+        row = json.loads(capsys.readouterr().out)[0]
+        assert row["text"] == want_text and row["method"] == "ctc"
+        got = [(w["word"], w["start"], w["end"]) for s in row["segments"] for w in s["words"]]
+        assert [g[0] for g in got] == [w.word.strip() for w in want_words]
+        assert max(abs(g[1] - w.start) + abs(g[2] - w.end) for g, w in zip(got, want_words)) < 0.01
+        assert min(g[1] for g in got) >= 4.5  # 5 s of silence first: times are the file's
+    base = ["--device", "cpu", "--long-form", "one-pass", str(wav)]
+    assert "add --decode ctc" in cli_error(["transcribe", "--checkpoint", str(local), *base], capsys,
+                                           prog="omni transcribe")
+    assert "--alignment" in cli_error(["transcribe", "--checkpoint", str(local), "--decode", "ctc", "--long-form",
+                                       "one-pass", "--alignment", str(tmp_path / "pics"), str(wav)], capsys,
+                                      prog="omni transcribe")
+    err = cli_error(["transcribe", "--checkpoint", str(full), "--decode", "ctc", *base], capsys, prog=None)
+    assert "full attention" in err and "--long-form pauses" in err

@@ -87,3 +87,31 @@ def test_a_synthesised_dataset_from_another_corpus_is_refused(recipe, tmp_path):
         recipe.check_synthesised_corpus(json.loads((data / "manifest.json").read_text()), [str(second)], data)
     other = {"builder": "librispeech", "splits": {}, "source": {"sha256": "x"}}
     recipe.check_synthesised_corpus(other, [str(second)], data)  # not synthesised: read as it is
+
+
+def test_encoder_attention_windows_the_encoder_only(recipe, capsys):
+    """`encoder_attention` (the cpu-long preset's local encoder, which `omni transcribe` reads in one pass) patterns
+    the encoder alone; a pattern audio cannot take, or one with init, is one line before any data (exit 2)."""
+    from omni.tokenizers.audio import AudioTokenizer
+    from omni.tokenizers.text import TextTokenizer
+
+    cfg = recipe.parse_args(["--preset", "cpu-long"])
+    assert cfg["encoder_attention"] == {"pattern": {"kind": "window", "before": 64, "after": 64}}
+    model, config = recipe.from_scratch(cfg, AudioTokenizer(stride=3), TextTokenizer())
+    assert config["encoder"]["attention"] == {"pattern": {"kind": "window", "before": 64, "after": 64},
+                                              "full_every": 0}
+    assert config["decoder"]["attention"] is None and model.encoder.schedule.sparse
+    assert not model.decoder.schedule.sparse
+    for extra, words in (
+        (["encoder_attention={'pattern': {'kind': 'window2d', 'rows': 2, 'cols': 2}}"], "encoder_attention: layer 0's "
+                                                                                        "window2d needs"),
+        (["encoder_attention={'pattern': {'kind': 'window', 'before': 0, 'after': 0}}"], "encoder_attention: "
+                                                                                         "attention pattern: a window "
+                                                                                         "of 0"),
+        (["init=runs/x"], "encoder_attention: init brings its own encoder"),
+    ):
+        with pytest.raises(SystemExit) as stop:
+            recipe.parse_args(["--preset", "cpu-long", "--set", *extra])
+        assert stop.value.code == 2
+        err = capsys.readouterr().err.strip().splitlines()[-1]
+        assert words in err and "Traceback" not in err

@@ -95,8 +95,9 @@ def check_one_pass(model: Any, audio_tok: AudioTokenizer, seconds: float | None 
         n = None if seconds is None else audio_tok.num_tokens(int(seconds * audio_tok.sample_rate))
         size = "" if n is None else f" over {seconds:.0f} s ({n:,} tokens, every pair of them in every layer)"
         raise ValueError(f"this model's encoder has full attention: one pass{size} would attend over contexts it was "
-                         "never trained on at a cost growing with the square of the length: transcribe it in 30 s "
-                         "windows (a model trained with a local pattern, trunk_overrides.attention, takes one pass)")
+                         "never trained on at a cost growing with the square of the length: transcribe it in windows "
+                         "(--long-form pauses); a model trained with a local encoder takes one pass "
+                         "(recipes/whisper.py --preset cpu-long, or encoder_attention=...)")
     if getattr(model, "audio_positions", "none") != "none" or encoder.cfg.positions in ABSOLUTE:
         what = ("audio_positions='sinusoidal'" if getattr(model, "audio_positions", "none") != "none"
                 else f"positions={encoder.cfg.positions!r}")

@@ -46,6 +46,7 @@ from omni.export import load_config, load_pretrained, load_tokenizers, resolve_e
 from omni.export_kinds import speech_task
 from omni.interfaces import Seq2SeqDecoder
 from omni.pipelines.timing import time_windows, timing_method
+from omni.pipelines.long_audio import check_one_pass, one_pass, supports_one_pass
 from omni.mask_ctc import DEFAULT_THRESHOLD, check_iterations, ctc_decode, mask_ctc_decode
 from omni.speculative import check_draft_tokens, check_draft_vocabulary
 from omni.speech import (SILENCE_PEAK, TASK, SpeechRecognizer, ctc_draft, decode_batch, model_draft, ngram_draft,
@@ -654,6 +655,29 @@ def transcribe_whisper(model: SpeechRecognizer, audio_tok: AudioTokenizer, text_
 
 
 DECODE_MODES = ("greedy", "beam", "ctc", "mask-ctc")
+WINDOWS = ("auto", "whisper", "pauses", "one-pass")
+
+
+def _one_pass_files(model: SpeechRecognizer, audio_tok: AudioTokenizer, files: Sequence[str | os.PathLike],
+                    return_exceptions: bool, timestamps: bool) -> list[Any]:
+    """``transcribe_files`` for windows "one-pass": each file's CTC text from ONE encoder pass (a local encoder:
+    omni.pipelines.long_audio), word times absolute; every file read and checked before any is transcribed."""
+    results: list[Any] = []
+    waves: dict[int, Tensor] = {}
+    for i, f in enumerate(files):
+        try:
+            waves[i] = read_audio_file(f, audio_tok.sample_rate)
+            results.append("")
+        except (OSError, ValueError) as exc:
+            if not return_exceptions:
+                raise
+            results.append(exc)
+    for i, wave in waves.items():
+        # spans of 5 min: the same states as one whole pass (encode_long), the encoder's activations bounded
+        text, words = one_pass(model, audio_tok, wave, words=timestamps, span_seconds=300.0)
+        results[i] = (TimedTranscript(text, segment_words(words), "ctc", wave.shape[0] / audio_tok.sample_rate)
+                      if timestamps else text)
+    return results
 
 
 def load_draft_recognizer(draft: str | os.PathLike, audio_tok: AudioTokenizer, text_tok: Any,
@@ -692,9 +716,11 @@ def transcribe_files(checkpoint: str | os.PathLike, files: Sequence[str | os.Pat
     ``method="tokens"``: a converted Whisper's segments from its own timestamp tokens, with ``keep_alignment`` its
     only other option).
 
-    ``windows``: "auto" (the export config's "long_form"; without one a converted Whisper (config "source") takes
-    "whisper", anything else "pauses"; recipes/whisper.py's fine-tuned exports record "pauses": decoded as its eval
-    decodes, without timestamps), "whisper" (``whisper.transcribe``'s loop
+    ``windows``: "auto" (with decode "ctc", "one-pass" for an export whose encoder attends locally; else the export
+    config's "long_form"; without one a converted Whisper (config "source") takes "whisper", anything else "pauses";
+    recipes/whisper.py's fine-tuned exports record "pauses": decoded as its eval decodes, without timestamps),
+    "one-pass" (the whole file in ONE encoder pass, the CTC head's text and absolute word times: a local encoder,
+    recipes/whisper.py --preset cpu-long; omni.pipelines.long_audio), "whisper" (``whisper.transcribe``'s loop
     and rules, ``WhisperSeek``: ``whisper`` gives its options, default whisper's with this call's beam_size,
     length_penalty (whisper's meaning) and max_new_tokens as sample_len) or "pauses" (omni's ``PauseWindows``, each
     window decoded alone: ``whisper.decode`` per window).
@@ -727,10 +753,25 @@ def transcribe_files(checkpoint: str | os.PathLike, files: Sequence[str | os.Pat
             raise ValueError(f"{option} must be >= 1, got {value}")
     if length_penalty is not None and not math.isfinite(length_penalty):
         raise ValueError(f"length_penalty must be a finite number, got {length_penalty}")
-    if windows not in ("auto", "whisper", "pauses"):
-        raise ValueError(f"windows must be auto, whisper or pauses, got {windows!r}")
+    if windows not in WINDOWS:
+        raise ValueError(f"windows must be {', '.join(WINDOWS)}, got {windows!r}")
+    if windows == "one-pass" and decode != "ctc":
+        raise ValueError(f"one pass gives the CTC head's text (the decoder reads 30 s at most): decode 'ctc', not "
+                         f"{decode!r}")
     model, audio_tok, text_tok = recognizer(checkpoint, device)
     is_whisper = getattr(model, "timestamp_begin", None) is not None
+    keep_alignment = bool((timing or {}).get("keep_alignment"))
+    if windows == "auto" and decode == "ctc" and not keep_alignment and supports_one_pass(model, audio_tok):
+        windows = "one-pass"  # a local encoder (recipes/whisper.py --preset cpu-long): the whole file at once
+    if windows == "one-pass":
+        try:
+            check_one_pass(model, audio_tok)
+        except ValueError as exc:
+            raise ValueError(f"{os.fspath(checkpoint)}: {exc}") from exc
+        if keep_alignment:
+            raise ValueError("alignment pictures show each window's alignment; one pass has no windows: transcribe "
+                             "with --long-form pauses to draw them")
+        return _one_pass_files(model, audio_tok, files, return_exceptions, timestamps)
     if windows == "auto":  # the export's own (recipes/whisper.py records "pauses"), else a converted Whisper's
         config = load_config(checkpoint)
         windows = config.get("long_form") or ("whisper" if is_whisper and "source" in config else "pauses")
@@ -810,7 +851,7 @@ def transcribe_files(checkpoint: str | os.PathLike, files: Sequence[str | os.Pat
 
 
 __all__ = [
-    "BatchDecode", "Cursor", "DECODE_MODES", "PauseWindows", "Parts", "TEMPERATURES", "WhisperDecode", "WhisperSeek",
+    "BatchDecode", "Cursor", "DECODE_MODES", "PauseWindows", "WINDOWS", "Parts", "TEMPERATURES", "WhisperDecode", "WhisperSeek",
     "WhisperTranscript", "Window", "WindowPolicy", "WindowResult", "decode_windows", "load_recognizer", "long_form",
     "read_audio_file", "recognizer", "split_windows", "transcribe_files", "transcribe_timed",
     "transcribe_timestamp_tokens", "transcribe_waveforms", "transcribe_whisper",
