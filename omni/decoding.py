@@ -632,7 +632,8 @@ class GraphedGreedyDecoder:
     fixes batch size, memory length, dtype, device and whether a mask is given (capturing the graph then); a call
     with another shape raises. ``max_new_tokens`` sizes the cache.
 
-    graph:   capture and replay a CUDA graph (default: when ``memory`` is on CUDA). Off, the same step runs
+    graph:   capture and replay a CUDA graph (default: when ``memory`` is on CUDA and the decoder has no attention
+             patterns, whose ring KV cache syncs with the host). Off, the same step runs
              eagerly (CPU, tests). Graph replay launches the kernels eager mode launches, so the tokens are
              identical to ``greedy_decode``'s given the same cache size (as ``greedy_decode(graph=True)`` builds it).
     compile: ``torch.compile`` the step before capture (fuses the many small kernels of a one-token step).
@@ -682,9 +683,14 @@ class GraphedGreedyDecoder:
     def __call__(self, memory: Tensor, mask: Tensor | None = None) -> list[list[int]]:
         """memory (B, S, ...) from ``model.encode`` (+ its mask) -> generated ids per row, as greedy_decode."""
         self._prepare(memory, mask)
-        graph = memory.is_cuda if self.graph is None else self.graph
+        ring = getattr(getattr(self.model, "decoder", None), "schedule", None)
+        ring = ring is not None and ring.sparse  # a ring KV cache's bookkeeping syncs with the host per step
+        graph = memory.is_cuda and not ring if self.graph is None else self.graph
         if graph and not memory.is_cuda:
             raise ValueError("graph=True needs CUDA tensors; use graph=False to run the step eagerly")
+        if graph and ring:
+            raise ValueError("graph=True: this decoder has attention patterns, whose ring KV cache is not CUDA-graphed; "
+                             "use graph=False (the same step, eager)")
         limit = self.options.limits(self.model, mask, memory.shape[0], memory.device)
         self._decoding.start(memory, mask, limit)
         if graph and self._graph is None and self.options.max_new_tokens > 1:
