@@ -548,6 +548,12 @@ def main(argv=None) -> dict:
         text = make_text_tokenizer(cfg, data, rank, world)
         model, export = from_scratch(cfg, audio, text)
     ctc = model.ctc_head is not None
+    longest = ((manifest.get("split_stats") or {}).get(train_split) or {}).get("longest_seconds")
+    if cfg["init"] is None and longest:
+        # omni transcribe's windows: no longer than the longest clip trained on (a full-attention encoder trained
+        # on <= 15 s clips read a 10-min recording at 34.8% CER in 30 s windows, 23.5% in 15 s ones:
+        # benchmarks/results.md); a converted Whisper keeps its 30 s
+        export["long_form_seconds"] = float(min(cfg["max_seconds"], math.ceil(longest)))
     if cfg["ctc_weight"] is None:  # the run's hparams record the weight it trained with
         cfg["ctc_weight"] = DEFAULT_CTC_WEIGHT if ctc else 0.0
     # A clip longer than the model's window is dropped (DecodeClip, with a warning), never cut: cut audio would not

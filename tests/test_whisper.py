@@ -4,6 +4,7 @@ overfits synthesised speech to exact transcripts, WER/CER, transcribe errors and
 from __future__ import annotations
 
 import io
+import math
 
 import numpy as np
 import pytest
@@ -243,7 +244,18 @@ def test_wer_cer_hand_examples():
 # The recipe end to end (tiny preset, a handful of utterances): shards built, trained, exported, evaluated
 
 
-def test_recipe_tiny_smoke(tmp_path, capsys):
+def recipe_json_members(data, split: str) -> list[bytes]:
+    """The .json members of a dataset split's shards."""
+    import tarfile
+
+    out = []
+    for shard in sorted(data.glob(f"{split}-*.tar")):
+        with tarfile.open(shard) as tar:
+            out += [tar.extractfile(m).read() for m in tar.getmembers() if m.name.endswith(".json")]
+    return out
+
+
+def test_recipe_tiny_smoke(tmp_path, capsys, monkeypatch):
     import importlib.util
     import json
     from pathlib import Path
@@ -281,7 +293,19 @@ def test_recipe_tiny_smoke(tmp_path, capsys):
     assert line.startswith(f"test CER: decoder (greedy) {100 * metrics['eval/cer']:.1f}%, CTC head (best path) "
                            f"{100 * metrics['eval/ctc_cer']:.1f}%; test WER (decoder) ")
     assert "an empty transcript 100%, one training sentence every time" in line and " s data build, " in line
+    # omni transcribe's windows are no longer than the longest training clip (the manifest's, rounded up)
+    longest = json.loads((tmp_path / "data" / "manifest.json").read_text())["split_stats"]["train"]["longest_seconds"]
+    durations = [json.loads(m)["duration"] for m in recipe_json_members(tmp_path / "data", "train")]
+    assert longest == max(durations) and len(durations) == 6
+    config = json.loads((final / "config.json").read_text())
+    assert config["long_form_seconds"] == float(math.ceil(longest)) < 30
     wav = tmp_path / "x.wav"
-    sf.write(wav, synth(SENTENCES[0], 0), SR)
+    sf.write(wav, np.concatenate([synth(s, 0) for s in SENTENCES * 2]), SR)
+    import omni.pipelines.transcribe as pipeline
+
+    cut = []
+    real = pipeline.split_windows
+    monkeypatch.setattr(pipeline, "split_windows", lambda wave, sr, seconds, *a, **k: cut.append(seconds)
+                        or real(wave, sr, seconds, *a, **k))
     out = transcribe_files(final, [wav], device="cpu", max_new_tokens=6)
-    assert len(out) == 1 and isinstance(out[0], str)
+    assert len(out) == 1 and isinstance(out[0], str) and cut == [config["long_form_seconds"]]

@@ -533,7 +533,7 @@ def build_hf(
             order = np.random.default_rng(split_seed(seed, name)).permutation(len(items))
             ordered = [items[j] for j in order]
             counts = [0] * len(classes) if classes is not None else None
-            seconds = 0.0
+            seconds = longest = 0.0
             ids: set[str] = set()
             with build.split(name, total=len(ordered)) as w:
                 for k, (table, i, row) in enumerate(_rows(tables, ordered)):
@@ -550,9 +550,10 @@ def build_hf(
                     if counts is not None and "cls" in sample:
                         counts[sample["cls"]] += 1
                     seconds += sample["json"].get("duration", 0.0)
+                    longest = max(longest, sample["json"].get("duration", 0.0))
             stats[name] = {"class_counts": counts} if counts is not None else {}
             if cols.kind == "speech":
-                stats[name]["hours"] = round(seconds / 3600, 4)
+                stats[name].update(hours=round(seconds / 3600, 4), longest_seconds=longest)
         skipped = [s for _, s in sorted(found, key=lambda f: f[0])]
         warn_skips(skipped, kept, where)
         return build.finish(

@@ -198,7 +198,7 @@ def build_audio_manifest(
         empty: list[str] = []
         for name, items in per_split.items():
             order = np.random.default_rng(split_seed(seed, name)).permutation(len(items))
-            seconds = 0.0
+            seconds = longest = 0.0
             k = 0
             with build.split(name, total=len(items)) as w:
                 for j in order:
@@ -213,10 +213,11 @@ def build_audio_manifest(
                     w.write({"__key__": f"{name}_{k:08d}", ext: data, "txt": text, "json": meta})
                     k += 1
                     seconds += meta["duration"]
+                    longest = max(longest, meta["duration"])
             kept += k
             if not k:
                 empty.append(name)
-            stats[name] = {"hours": round(seconds / 3600, 4)}
+            stats[name] = {"hours": round(seconds / 3600, 4), "longest_seconds": longest}
         warn_skips(skipped, kept, ", ".join(map(str, paths)))
         if empty:
             warnings.warn(f"split(s) {', '.join(empty)} kept no utterances", stacklevel=2)

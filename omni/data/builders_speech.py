@@ -194,14 +194,16 @@ def build_speech_synth(
             if n == 0:
                 continue
             jobs = _jobs(split, split_id, sents, n, per, voices, variants, rates, pitches, snrs, noise_kinds, seed)
-            seconds = 0.0
+            seconds = longest = 0.0
             with build.split(split, total=n) as w:
                 for key, flac, meta, transcript in _render_all(jobs, workers):
                     w.write({"__key__": key, "flac": flac, "txt": transcript, "json": meta})
                     seconds += meta["duration"]
+                    longest = max(longest, meta["duration"])
             stats[split] = {
                 "sentences": min(len(sents), -(-n // per)),
                 "hours": round(seconds / 3600, 4),
+                "longest_seconds": longest,
             }
         return build.finish(
             sample_rate=SAMPLE_RATE,
@@ -382,7 +384,7 @@ def build_librispeech(
         for name, items in sorted(readable.items()):
             name_id = int.from_bytes(hashlib.sha256(name.encode()).digest()[:4], "little")
             order = np.random.default_rng([seed, name_id]).permutation(len(items))
-            seconds = 0.0
+            seconds = longest = 0.0
             with build.split(name, total=len(items)) as w:
                 for j in order:
                     uid, audio, text, info = items[j]
@@ -396,7 +398,8 @@ def build_librispeech(
                     }
                     w.write({"__key__": _key(uid), audio.suffix[1:]: audio.read_bytes(), "txt": text, "json": meta})
                     seconds += meta["duration"]
-            stats[name] = {"hours": round(seconds / 3600, 4)}
+                    longest = max(longest, meta["duration"])
+            stats[name] = {"hours": round(seconds / 3600, 4), "longest_seconds": longest}
         return build.finish(
             split_stats=stats,
             source_dir=str(src.resolve()),

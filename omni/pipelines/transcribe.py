@@ -723,7 +723,8 @@ def transcribe_files(checkpoint: str | os.PathLike, files: Sequence[str | os.Pat
     recipes/whisper.py --preset cpu-long; omni.pipelines.long_audio), "whisper" (``whisper.transcribe``'s loop
     and rules, ``WhisperSeek``: ``whisper`` gives its options, default whisper's with this call's beam_size,
     length_penalty (whisper's meaning) and max_new_tokens as sample_len) or "pauses" (omni's ``PauseWindows``, each
-    window decoded alone: ``whisper.decode`` per window).
+    window decoded alone: ``whisper.decode`` per window; at most the export config's "long_form_seconds" long, the
+    longest clip recipes/whisper.py trained it on, else the tokenizer's max_seconds).
 
     ``draft``: "ctc" (the export's CTC head drafts), "ngram" (the text so far does) or a draft model's export
     directory (a smaller speech model with the same vocabulary and audio features): speculative decoding of the
@@ -800,8 +801,9 @@ def transcribe_files(checkpoint: str | os.PathLike, files: Sequence[str | os.Pat
         return results
     keys = [os.fspath(files[i]) for i in waves]
     parts = Parts(model, audio_tok, text_tok)
+    # omni's windows are at most as long as the clips the export trained on (recipes/whisper.py records it)
     batch = dict(keys=keys, batch_size=batch_size, beam_size=beam_size, length_penalty=length_penalty,
-                 max_new_tokens=max_new_tokens)
+                 max_new_tokens=max_new_tokens, window_seconds=load_config(checkpoint).get("long_form_seconds"))
     if draft is not None:
         if seek is not None:
             raise ValueError(f"{os.fspath(checkpoint)}: draft decoding runs on omni's pause windows; this export "
