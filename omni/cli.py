@@ -404,9 +404,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--attention", metavar="DIR", default=None,
                    help="also write DIR/<name>.png per image: the image under its attention heat map (over the "
                         "patch grid) with its top-k in the title (needs matplotlib: pip install -e \".[viz]\")")
-    p.add_argument("--attention-method", choices=("rollout", "last"), default="rollout",
+    p.add_argument("--attention-method", choices=("auto", "rollout", "last"), default="auto",
                    help="rollout: attention rollout over every layer; last: the last layer's attention, read by "
-                        "the query the head pools (CLS or the mean of all tokens) (default: rollout)")
+                        "the query the head pools (CLS or the mean of all tokens); auto (default): rollout unless "
+                        "its per-layer maps would pass 256 MB (large images), then last")
     p.add_argument("--invert", choices=("auto", "yes", "no"), default="auto",
                    help="grey levels inverted: auto (default) when the photo's background is the opposite of the "
                         "model's training images' (a dark garment on white, for a Fashion-MNIST model), saying so")

@@ -142,7 +142,7 @@ def test_omni_grid_vit_windowed_equals_the_dense_reference():
         assert (model(x) - expected).abs().max() <= 1e-5
 
 
-def test_recipe_fine_tunes_at_a_larger_size_with_windows_and_predicts(peer, tmp_path, capsys):
+def test_recipe_fine_tunes_at_a_larger_size_with_windows_and_predicts(peer, tmp_path, capsys, monkeypatch):
     """recipes/vit.py --set init=<timm hub dir> image_size=64 resize=64 trunk_overrides.attention=...: a few steps
     run, the export keeps the pattern, `omni predict` (fast and with --attention) reads it and equals the model."""
     from conftest import write_idx_gz
@@ -184,6 +184,19 @@ def test_recipe_fine_tunes_at_a_larger_size_with_windows_and_predicts(peer, tmp_
                       str(tmp_path / "pics"), str(picture)]) == 0
     row = json.loads(capsys.readouterr().out)[0]
     assert Path(row["attention"]).is_file()  # the rollout picture over the 8 x 8 grid
+    # --attention-method auto (the default) draws the last layer's attention where a rollout would not fit
+    import omni.pipelines.predict as predict
+    import omni.vision
+
+    drawn = []
+    real = predict.image_attention
+    monkeypatch.setattr(predict, "image_attention",
+                        lambda *a, method, **k: drawn.append(method) or real(*a, method=method, **k))
+    for limit, want in ((omni.vision.ROLLOUT_BYTES, "rollout"), (1000, "last")):
+        monkeypatch.setattr(omni.vision, "ROLLOUT_BYTES", limit)
+        assert omni_main(["predict", "--checkpoint", str(export), "--attention", str(tmp_path / "pics"),
+                          str(picture)]) == 0
+        assert drawn[-1] == want
     assert row["top_k"][0]["probability"] == pytest.approx(float(logits.softmax(-1).max()), abs=1e-4)
     with pytest.raises(ConversionError, match="timm's ViT cannot hold this export: it has attention patterns"):
         to_peer(export, tmp_path / "back", "timm")  # timm attends fully: its logits would differ

@@ -25,6 +25,7 @@ from omni.segment import Sample, Segment
 from omni.tokenizers.base import check_regular_file
 from omni.tokenizers.image import ImageTokenizer
 from omni.vision import ImageClassifier, image_domain
+from omni.vision import attention_method as choose_attention_method
 
 
 def image_classifier(checkpoint: str | Path, device: str
@@ -79,7 +80,7 @@ def attention_paths(files: Sequence[str | Path], directory: str | Path) -> list[
     return output_paths(files, directory, ".png", fallback="image")
 
 
-ATTENTION_METHODS = ("rollout", "last")
+ATTENTION_METHODS = ("auto", "rollout", "last")
 
 
 def _draw_attention(model: nn.Module, head: str | None, tokenizer: ImageTokenizer, seg: Segment,
@@ -88,6 +89,9 @@ def _draw_attention(model: nn.Module, head: str | None, tokenizer: ImageTokenize
     a rollout over every layer, or the last layer's attention, read by the query the head pools), top-k above."""
     from omni.plots import attention_overlay  # matplotlib: only when pictures are asked for
 
+    if method == "auto":  # a rollout unless its maps would not fit (1,024-px images: 2.4 GB), then the last layer
+        pixels = tokenizer.decode(seg)
+        method = choose_attention_method(model, pixels.shape[-2:]) if isinstance(model, ImageClassifier) else "rollout"
     heat = image_attention(model, seg, method=method, head=head)[0]
     pixels = tokenizer.decode(seg)  # (C, h, w) in [0, 1]: normalisation and padding undone
     label = "attention rollout" if method == "rollout" else "last-layer attention"
@@ -97,7 +101,7 @@ def _draw_attention(model: nn.Module, head: str | None, tokenizer: ImageTokenize
 @torch.no_grad()
 def predict_files(checkpoint: str | Path, files: Sequence[str | Path], top_k: int = 5, device: str | None = None,
                   *, return_exceptions: bool = False, attention: str | Path | None = None,
-                  attention_method: str = "rollout", invert: str = "auto"
+                  attention_method: str = "auto", invert: str = "auto"
                   ) -> list[list[tuple[str, float]] | Exception]:
     """Top-k (class name, probability) for each image file of any size, mode and format, by an image classifier
     export (recipes/vit.py) or the image task of a multitask export (recipes/multimodal.py). A file that cannot
@@ -105,7 +109,8 @@ def predict_files(checkpoint: str | Path, files: Sequence[str | Path], top_k: in
     its place in the result (the export's own errors raise either way).
 
     ``attention``: a directory; each readable image's picture goes to ``attention_paths(files, attention)``: the
-    image with its attention heat map over the patch grid (``attention_method`` "rollout" or "last") and its
+    image with its attention heat map over the patch grid (``attention_method`` "rollout", "last", or "auto": the
+    rollout unless its maps would pass 256 MB, omni.vision.attention_method) and its
     top-k in the title (needs matplotlib, the ``viz`` extra).
 
     ``invert``: a grey-scale export that records its training images' look (``image_domain``: recipes/vit.py
