@@ -32,7 +32,11 @@ context-1 steps + [R_t, s_t] in one batched forward (what the official DT comput
 "rolling" cache would silently change the policy (old entries would have attended to steps outside the
 window), so it is not offered. ``cache=False`` re-encodes each env's whole running context with the
 tokenizer's own ``encode_rollout`` every step: the reference the tests compare against (equal actions,
-equal head outputs to 1e-5, for episodes longer than the context).
+equal head outputs to 1e-5, for episodes longer than the context). A trunk with attention patterns (``--set
+trunk_overrides.attention={'kind': 'window', 'before': 30, 'after': 0}``) gets a RingKVCache: its windowed layers
+keep only their window, so a context of hundreds of steps costs a fixed cache; with a context that holds the whole
+episode the rollout never refills (benchmarks/long_dt.py; equal to re-encoding: tests/test_long_dt.py). A window
+that reaches no earlier token (before=0) is refused (``check_causal_attention``).
 
 Scores: ``normalized_score`` = 100 * (R - R_random) / (R_expert - R_random), mean +- std over episodes
 (std with ddof=1), per target return.
