@@ -107,6 +107,8 @@ def load_recipe():
     ("{'kind': 'dilated', 'dilation': 3, 'before': 2, 'after': 6}", "reaches no earlier token"),
     ("{'kind': 'global', 'first': 1}", "no key"),
     ("{'kind': 'window2d', 'rows': 1, 'cols': 1}", "window2d"),
+    ("{'kind': 'any', 'of': [{'kind': 'window', 'before': 4}, {'kind': 'global', 'first': 15}]}",
+     "covers every token of a segment here (at most 15, from 3 x context)"),
 ])
 def test_dt_refuses_patterns_a_causal_trajectory_cannot_use(tmp_path, capsys, attention, says):
     """One error line (config errors come after argparse's usage lines), exit 2, before any data is built (the data

@@ -138,6 +138,8 @@ def test_eval_lengths_end_to_end(corpus, tmp_path):
 @pytest.mark.parametrize("sets, says", [
     (["positions=learned_1d", "eval_lengths=[64, 128]"], "max_positions 64"),
     (["trunk_overrides.attention={'kind': 'window', 'before': 0, 'after': 8}"], "reaches no earlier token"),
+    (["trunk_overrides.attention={'kind': 'any', 'of': [{'kind': 'window', 'before': 4}, {'kind': 'global', "
+      "'first': 64}]}"], "covers every token of a segment here (at most 64, from context)"),
 ])
 def test_user_errors_are_one_line_before_data(corpus, tmp_path, capsys, monkeypatch, sets, says):
     monkeypatch.setattr(recipe, "documents", lambda *a: pytest.fail("data was built before the error"))
@@ -145,5 +147,6 @@ def test_user_errors_are_one_line_before_data(corpus, tmp_path, capsys, monkeypa
     with pytest.raises(SystemExit) as exc:
         recipe.run_recipe(lambda: recipe.main(argv + [a for s in sets for a in ("--set", s)]))
     assert exc.value.code == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and says in err[0], err
+    err = capsys.readouterr().err.strip().splitlines()  # config errors come after argparse's usage lines
+    assert "error:" in err[-1] and says in err[-1], err
+    assert not any("error" in line for line in err[:-1]), err
