@@ -29,7 +29,7 @@ FLOORS: list[tuple[str, list[str]]] = [
                                              "omni.mixture", "omni.speculative"]),
     ("models and model-free algorithms", ["omni.vision", "omni.speech", "omni.rl", "omni.rl.", "omni.prefix_lm",
                                           "omni.timestamps", "omni.introspect", "omni.generate",
-                                          "omni.alignment_plot", "omni.transcript_formats"]),
+                                          "omni.alignment_plot", "omni.transcript_formats", "omni.mask_ctc"]),
     ("tasks", ["omni.tasks", "omni.tasks.", "omni.multitask"]),
     ("training", ["omni.steps", "omni.evaluation", "omni.progress", "omni.interrupts", "omni.checkpointing", "omni.train", "omni.config_schema",
                   "omni.init", "omni.interop", "omni.interop.", "omni.data.builders_", "omni.data.builders"]),
