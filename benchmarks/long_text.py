@@ -6,6 +6,7 @@ memory of each evaluation, on the CPU.
     python benchmarks/long_text.py --dry-run             # the commands it would run, nothing else
     python benchmarks/long_text.py --skip-train          # the table from the exports already in --out
     python benchmarks/long_text.py --steps 600 --lengths 1024 4096
+    python benchmarks/long_text.py --skip-train --models rope-full+window256     # one row
 
 Training: ``recipes/lm.py --preset cpu`` on the text run on (``documents='stream'``), 1,024-token documents,
 2 rows of 1,024 tokens per step (the preset's 2,048 tokens), ``eval_fraction=0.04`` (the held-out paragraphs then
@@ -16,8 +17,9 @@ The table: each (model, length) in its own process (``--point``): the export, th
 (``recipes/lm.py: stream_ids``, saved once to <out>/heldout.json), ``long_text_bpb`` (windows of the length, bos
 first, one document per forward: SDPA's causal kernel for full attention, the banded path for the window), fp32.
 The learned-positions model past its table is forced through the trunk, which reads the table's last row for
-every later position (what the recipe refuses): the measured failure. Peak memory = the process's peak RSS during
-scoring minus its RSS before (/proc/self/clear_refs resets the peak; MALLOC_MMAP_THRESHOLD_=65536: glibc returns
+every later position (what the recipe refuses): the measured failure. ``rope-full+window256``: the RoPE
+full-attention export read through a causal window of 256 imposed on its weights (the recipe's ``eval_window=256``).
+Peak memory = the process's peak RSS during scoring minus its RSS before (/proc/self/clear_refs resets the peak; MALLOC_MMAP_THRESHOLD_=65536: glibc returns
 freed tensors, so the peak is what was live).
 """
 
@@ -46,6 +48,7 @@ MODELS: dict[str, list[str]] = {  # name -> the recipe's --set entries beyond CO
     f"rope-window{WINDOW}": ["positions=rope",
                              f"trunk_overrides.attention={{'kind': 'window', 'before': {WINDOW}, 'after': 0}}"],
 }
+IMPOSED = {f"rope-full+window{WINDOW}": ("rope-full", WINDOW)}  # trained full, read through a window (eval_window)
 COMMON_SETS = ["documents=stream", "context=1024", "row_length=1024", "rows=2", "eval_fraction=0.04", "samples=0",
                "report_to=none", "progress=False", "checkpoint_every=0"]
 
@@ -64,8 +67,9 @@ def _rss_kb(field: str) -> int:
     raise RuntimeError(f"no {field} in /proc/self/status")
 
 
-def point(export: str, heldout: str, length: int) -> dict:
-    """One (model, length) in this process: bits/byte, seconds, CPU seconds, peak extra MiB."""
+def point(export: str, heldout: str, length: int, window: int = 0) -> dict:
+    """One (model, length) in this process (``window``: a causal window imposed on it, recipes/lm.py: windowed):
+    bits/byte, seconds, CPU seconds, peak extra MiB."""
     import torch
 
     import lm
@@ -74,6 +78,8 @@ def point(export: str, heldout: str, length: int) -> dict:
 
     torch.manual_seed(0)
     model = load_pretrained(export)
+    if window:
+        model = lm.windowed(model, window)
     tok = TextTokenizer.load(Path(export) / "tokenizers" / "text")
     held = json.loads(Path(heldout).read_text())
     base = _rss_kb("VmRSS")
@@ -103,7 +109,9 @@ def save_heldout(args: argparse.Namespace, path: Path) -> None:
 def table(rows: list[dict], args: argparse.Namespace) -> str:
     head = ["model"] + [f"{n} tokens" for n in args.lengths]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for name in MODELS:
+    for name in [*MODELS, *IMPOSED]:
+        if name not in args.models:
+            continue
         cells = [name]
         for n in args.lengths:
             r = next((r for r in rows if r["model"] == name and r["length"] == n), None)
@@ -121,19 +129,19 @@ def main() -> None:
     ap.add_argument("--out", default="runs/long-text")
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--lengths", type=int, nargs="+", default=list(LENGTHS))
-    ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    ap.add_argument("--models", nargs="+", default=[*MODELS, *IMPOSED], choices=[*MODELS, *IMPOSED])
     ap.add_argument("--skip-train", action="store_true", help="use the exports already in --out")
     ap.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
-    ap.add_argument("--point", nargs=3, metavar=("EXPORT", "HELDOUT", "LENGTH"), help=argparse.SUPPRESS)
+    ap.add_argument("--point", nargs=4, metavar=("EXPORT", "HELDOUT", "LENGTH", "WINDOW"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.point:
-        print(json.dumps(point(args.point[0], args.point[1], int(args.point[2]))))
+        print(json.dumps(point(args.point[0], args.point[1], int(args.point[2]), int(args.point[3]))))
         return
     out = Path(args.out)
     # glibc: allocations over 64 KiB straight from mmap and back on free, so the peak RSS is what was live
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "MALLOC_MMAP_THRESHOLD_": "65536"}
     train_cpu: dict[str, float] = {}
-    for name in args.models:
+    for name in [m for m in args.models if m in MODELS]:
         cmd = recipe_command(name, args)
         if args.dry_run:
             print(shlex.join(cmd))
@@ -151,9 +159,10 @@ def main() -> None:
         save_heldout(args, heldout)
     rows = []
     for name in args.models:
+        trained, window = IMPOSED.get(name, (name, 0))
         for n in args.lengths:
-            res = subprocess.run([sys.executable, __file__, "--point", str(out / name / "final"), str(heldout), str(n)],
-                                 capture_output=True, text=True, env=env)
+            cmd = [sys.executable, __file__, "--point", str(out / trained / "final"), str(heldout), str(n), str(window)]
+            res = subprocess.run(cmd, capture_output=True, text=True, env=env)
             r = json.loads(res.stdout.strip().splitlines()[-1]) if res.returncode == 0 else \
                 {"error": (res.stderr.strip().splitlines() or ["?"])[-1][:120]}
             rows.append({"model": name, "length": n, **r})

@@ -28,8 +28,10 @@ paragraphs run on, the first max(eval_lengths) - 1 tokens) read in windows of ea
 per forward (``long_text_bpb``): full attention on SDPA's causal path (no T x T mask), attention patterns
 (``--set trunk_overrides.attention=...``) on the banded path, so a window's memory grows linearly. Bits per byte per
 length go to the result line, the metrics (eval/bpb@<L>) and <out>/eval_lengths.json. A length past a learned
-position table is refused before any data is built (the trunk would repeat the table's last row: a measured
-failure, benchmarks/long_text.py); use positions='rope'.
+position table is refused before any data is built (the trunk would repeat the table's last row); use
+positions='rope'. ``eval_window=256`` reads those lengths with a causal window imposed on the trained weights
+(``windowed``): a RoPE model trained with full attention at 1,024 then stays flat to 32k, where its own full
+attention loses 0.07-0.25 bits/byte (benchmarks/long_text.py).
 
 Metrics: train/lm/loss (nats per token), and at each evaluation the held-out bits per UTF-8 byte (eval/bpb),
 token perplexity (eval/ppl) and mean NLL (eval/loss) over every held-out document (omni.tasks.LMTask.evaluate),
@@ -104,6 +106,8 @@ COMMON = dict(
                   "context-token documents (long-context training)"),
     eval_lengths=Key([], list, each=Key(type=int, check=at_least(2)),
                      help="after training: held-out bits/byte read in windows of each length (module docstring)"),
+    eval_window=Key(None, (int, None), at_least(1), "eval_lengths read with a causal window of this many tokens "
+                    "on every layer, imposed on the trained weights (None: the model's own attention)"),
 )
 PRESETS: dict[str, dict[str, Any]] = {
     # CPU smoke run: a tiny trunk on short documents, a few dozen steps.
@@ -213,6 +217,19 @@ def stream_ids(tok: TextTokenizer, text: str, n: int) -> tuple[list[int], int]:
                          "length scores: raise eval_fraction (or limit_eval) or give shorter lengths")
     ids = ids[:n]
     return ids, len(tok.decode(ids).encode("utf-8"))
+
+
+def windowed(omni: Any, before: int) -> Any:
+    """A copy of a text LM whose every layer attends through a causal window of ``before`` tokens, same weights
+    (the original is untouched). A RoPE model trained with full attention at its length reads longer texts so
+    without meeting a distance it never saw (benchmarks/long_text.py: flat to 32x, where full attention fails)."""
+    from omni.trunk import Trunk
+
+    out = copy.deepcopy(omni)
+    out.trunk = Trunk(replace(omni.trunk_config, attention={"kind": "window", "before": before, "after": 0}))
+    out.trunk.load_state_dict(omni.trunk.state_dict())
+    out.trunk_config = out.trunk.cfg
+    return out.to(next(omni.parameters()).device).train(omni.training)
 
 
 @torch.no_grad()
@@ -401,7 +418,10 @@ def main(argv=None) -> dict:
 
 def eval_lengths(cfg: dict, omni: Any, head: str, tok: TextTokenizer, ids: list[int], n_bytes: int,
                  lengths: Sequence[int]) -> dict[str, float]:
-    """``long_text_bpb`` at each length: printed, written to <out>/eval_lengths.json, returned as eval/bpb@<L>."""
+    """``long_text_bpb`` at each length (with ``eval_window``: on ``windowed(omni, eval_window)``): printed, written
+    to <out>/eval_lengths.json, returned as eval/bpb@<L>."""
+    if cfg["eval_window"]:
+        omni = windowed(omni, cfg["eval_window"])
     rows = []
     for n in lengths:
         start, cpu = time.time(), time.process_time()
@@ -410,7 +430,8 @@ def eval_lengths(cfg: dict, omni: Any, head: str, tok: TextTokenizer, ids: list[
         print(f"eval at {n} tokens: {r['bpb']:.4f} bits/byte ({r['windows']:.0f} windows, {rows[-1]['seconds']:.1f} s)",
               flush=True)
     write_atomic(Path(cfg["out"]) / "eval_lengths.json",
-                 json.dumps({"context": cfg["context"], "documents": cfg["documents"], "tokens": len(ids),
+                 json.dumps({"context": cfg["context"], "documents": cfg["documents"], "window": cfg["eval_window"],
+                             "tokens": len(ids),
                              "bytes": n_bytes, "rows": rows}, indent=1) + "\n")
     return {f"eval/bpb@{r['length']}": r["bpb"] for r in rows}
 

@@ -93,6 +93,20 @@ def test_longer_length_equals_dense_reference(attention):
         assert recipe.long_text_bpb(wide, "lm", tok, ids, 2000, 300)["bpb"] != pytest.approx(got["bpb"], rel=1e-3)
 
 
+def test_eval_window_imposes_a_window_on_the_trained_weights():
+    """windowed(full model, 16) scores as the same weights built with the window (the init draws the same numbers:
+    attention patterns add no parameter); the original keeps full attention."""
+    full, tok = tiny_lm(None)
+    built, _ = tiny_lm(WINDOW)
+    ids = torch.randint(10, tok.vocab_size, (400,), generator=torch.Generator().manual_seed(2)).tolist()
+    imposed = recipe.windowed(full, 16)
+    assert imposed.trunk_config.attention == {"pattern": WINDOW, "full_every": 0}
+    assert full.trunk_config.attention is None
+    got = recipe.long_text_bpb(imposed, "lm", tok, ids, 1000, 400)["bpb"]
+    assert got == pytest.approx(recipe.long_text_bpb(built, "lm", tok, ids, 1000, 400)["bpb"], rel=1e-6)
+    assert got != pytest.approx(recipe.long_text_bpb(full, "lm", tok, ids, 1000, 400)["bpb"], rel=1e-3)
+
+
 def test_windowed_trunk_trains_under_bf16_autocast():
     """The banded path computes in float32 inside a bf16 autocast (the cpu preset trains so): loss and gradients."""
     omni, tok = tiny_lm(WINDOW)
@@ -127,9 +141,9 @@ def test_eval_lengths_end_to_end(corpus, tmp_path):
                            f"text={[str(corpus)]!r}", "--set", "documents=stream", "--set", "positions=rope",
                            "--set", "eval_fraction=0.25", "--set", "steps=4", "--set", "eval_every=4", "--set",
                            "samples=0", "--set", "report_to=none", "--set", "eval_lengths=[64, 256]", "--set",
-                           f"trunk_overrides.attention={WINDOW!r}"])
+                           f"trunk_overrides.attention={WINDOW!r}", "--set", "eval_window=8"])
     saved = json.loads((out / "eval_lengths.json").read_text())
-    assert [r["length"] for r in saved["rows"]] == [64, 256] and saved["tokens"] == 255
+    assert [r["length"] for r in saved["rows"]] == [64, 256] and saved["tokens"] == 255 and saved["window"] == 8
     assert [r["windows"] for r in saved["rows"]] == [math.ceil(255 / 63), 1]
     for r in saved["rows"]:
         assert metrics[f"eval/bpb@{r['length']}"] == r["bpb"] and 0 < r["bpb"] < 20
