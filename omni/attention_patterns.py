@@ -177,6 +177,20 @@ def pattern_from_dict(d: Mapping[str, Any]) -> Pattern:
     return KINDS[kind](**rest)
 
 
+def check_causal(attention: Mapping[str, Any] | Pattern | None, n_layers: int,
+                 what: str = "this model is causal") -> None:
+    """ValueError in one line for a schedule (TrunkConfig.attention) that leaves a causal token only itself: a layer
+    whose every rule is a window or dilated reach with nothing before the query (its ``after`` keys are later tokens,
+    which a causal token never sees). ``what`` says why the tokens are causal."""
+    for i, p in enumerate(schedule_from_config(attention, n_layers).layers):
+        rules = [] if p is None else parts(p)
+        if rules and all(isinstance(q, (Window, Dilated)) and q.before is not None
+                         and q.before < (q.dilation if isinstance(q, Dilated) else 1) for q in rules):
+            raise ValueError(f"trunk_overrides.attention: layer {i}'s pattern {p.to_dict()} reaches no earlier token "
+                             f"and {what} (a token never sees later ones), so each token would see only itself: give "
+                             "before >= 1")
+
+
 def sees_itself(p: Pattern) -> bool:
     """Whether the rule lets every token see itself (else a query may be left with no key)."""
     return any(not isinstance(q, Global) for q in parts(p))

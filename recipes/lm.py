@@ -63,6 +63,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from omni.attention_patterns import check_causal
 from omni.config import Check, Key, at_least, between, one_of, sets_trunk
 from omni.files import write_atomic
 from omni.recipe_runtime import check_corpus, recipe_config, recipe_parser, run_recipe, train_config
@@ -135,21 +136,6 @@ def parse_args(argv=None) -> dict:
     if cfg["context"] > cfg["row_length"]:
         ap.error(f"context {cfg['context']} is longer than row_length {cfg['row_length']}: a document must fit a row")
     return cfg
-
-
-def check_causal_attention(attention: Any, n_layers: int) -> None:
-    """ValueError in one line for a pattern that, under causal attention, leaves a token only itself: a window
-    or a dilated reach with nothing before the query (``after`` keys are later tokens, which a causal token never
-    sees). omni.config's check cannot know the recipe's tokens are causal."""
-    from omni.attention_patterns import Dilated, Window, parts, schedule_from_config
-
-    for i, p in enumerate(schedule_from_config(attention, n_layers).layers):
-        rules = [] if p is None else parts(p)
-        if rules and all(isinstance(q, (Window, Dilated)) and q.before is not None
-                         and q.before < (q.dilation if isinstance(q, Dilated) else 1) for q in rules):
-            raise ValueError(f"trunk_overrides.attention: layer {i}'s pattern {p.to_dict()} reaches no earlier token "
-                             "and this model is causal (a token never sees later ones), so each token would see only "
-                             "itself: give before >= 1")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -337,7 +323,7 @@ def build(cfg: dict, rank: int = 0, world: int = 1):
                                         "dropout": cfg["dropout"] or 0.0, **cfg["trunk_overrides"]})
         check_context(trunk, cfg["context"], "the trunk")
     check_lengths(trunk, cfg["eval_lengths"], f"init {cfg['init']}" if cfg["init"] else "the trunk")
-    check_causal_attention(trunk.attention, trunk.n_layers)
+    check_causal(trunk.attention, trunk.n_layers)
     docs = documents(cfg, tok)
     train, test = (LMTask(name, tok, docs[split], tied=tied) for split in ("train", "test"))
     test.stream = docs["stream"]  # the held-out text run on, for eval_lengths

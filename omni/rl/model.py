@@ -8,6 +8,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from omni.attention_patterns import check_causal
 from omni.heads import ActionHead, masked_action_loss
 from omni.model import CarriedTensors  # a converted checkpoint's unread tensors (HF DT's GPT-2 tables, predictors)
 from omni.tokenizers.trajectory import TrajectoryTokenizer
@@ -30,18 +31,9 @@ def rescale_actions(out: Tensor, center: Tensor, scale: Tensor) -> Tensor:
 
 
 def check_causal_attention(attention: Any, n_layers: int) -> None:
-    """ValueError in one line for an attention pattern (TrunkConfig.attention) that leaves a causal token only
-    itself: a window or dilated reach with nothing before the query (its ``after`` keys are later tokens, which
-    a causal token never sees)."""
-    from omni.attention_patterns import Dilated, Window, parts, schedule_from_config
-
-    for i, p in enumerate(schedule_from_config(attention, n_layers).layers):
-        rules = [] if p is None else parts(p)
-        if rules and all(isinstance(q, (Window, Dilated)) and q.before is not None
-                         and q.before < (q.dilation if isinstance(q, Dilated) else 1) for q in rules):
-            raise ValueError(f"trunk_overrides.attention: layer {i}'s pattern {p.to_dict()} reaches no earlier token "
-                             "and a Decision Transformer is causal (a token never sees later ones), so each token "
-                             "would see only itself: give before >= 1")
+    """ValueError in one line for an attention pattern that leaves a Decision Transformer's (causal) token only
+    itself (omni.attention_patterns.check_causal)."""
+    check_causal(attention, n_layers, "a Decision Transformer is causal")
 
 
 class DecisionTransformer(nn.Module):
