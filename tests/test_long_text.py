@@ -6,7 +6,6 @@ trunk trains under bf16 autocast (the cpu preset's)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 from pathlib import Path
@@ -14,30 +13,17 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import load_recipe
+from test_lm_recipe import SENTENCES  # the same five opening sentences
 
 from omni.multitask import MultitaskModel
 from omni.tasks import LMTask
 from omni.tokenizers.text import TextTokenizer
 from omni.trunk import preset
 
-ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 WINDOW = {"kind": "window", "before": 16, "after": 0}
-SENTENCES = ["It is a truth universally acknowledged, that a single man in possession of a good fortune, must be "
-             "in want of a wife.", "The family of Dashwood had long been settled in Sussex.",
-             "Emma Woodhouse, handsome, clever, and rich, seemed to unite some of the best blessings of existence.",
-             "Sir Walter Elliot never took up any book but the Baronetage.",
-             "No one who had ever seen Catherine Morland in her infancy would have supposed her born to be a heroine."]
-
-
-def load_recipe():
-    spec = importlib.util.spec_from_file_location("lm_recipe_long", ROOT / "recipes" / "lm.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-recipe = load_recipe()
+recipe = load_recipe("lm", "lm_recipe_long")
 
 
 @pytest.fixture(scope="module")

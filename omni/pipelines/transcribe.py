@@ -658,20 +658,28 @@ DECODE_MODES = ("greedy", "beam", "ctc", "mask-ctc")
 WINDOWS = ("auto", "whisper", "pauses", "one-pass")
 
 
-def _one_pass_files(model: SpeechRecognizer, audio_tok: AudioTokenizer, files: Sequence[str | os.PathLike],
-                    return_exceptions: bool, timestamps: bool) -> list[Any]:
-    """``transcribe_files`` for windows "one-pass": each file's CTC text from ONE encoder pass (a local encoder:
-    omni.pipelines.long_audio), word times absolute; every file read and checked before any is transcribed."""
+def _read_files(files: Sequence[str | os.PathLike], sample_rate: int, return_exceptions: bool
+                ) -> tuple[list[Any], dict[int, Tensor]]:
+    """Every file read and checked before any is transcribed: (a result list with "" per readable file, or its
+    exception with ``return_exceptions``; {index: waveform at ``sample_rate``})."""
     results: list[Any] = []
     waves: dict[int, Tensor] = {}
     for i, f in enumerate(files):
         try:
-            waves[i] = read_audio_file(f, audio_tok.sample_rate)
+            waves[i] = read_audio_file(f, sample_rate)
             results.append("")
         except (OSError, ValueError) as exc:
             if not return_exceptions:
                 raise
             results.append(exc)
+    return results, waves
+
+
+def _one_pass_files(model: SpeechRecognizer, audio_tok: AudioTokenizer, files: Sequence[str | os.PathLike],
+                    return_exceptions: bool, timestamps: bool) -> list[Any]:
+    """``transcribe_files`` for windows "one-pass": each file's CTC text from ONE encoder pass (a local encoder:
+    omni.pipelines.long_audio), word times absolute; every file read and checked before any is transcribed."""
+    results, waves = _read_files(files, audio_tok.sample_rate, return_exceptions)
     for i, wave in waves.items():
         # spans of 5 min: the same states as one whole pass (encode_long), the encoder's activations bounded
         text, words = one_pass(model, audio_tok, wave, words=timestamps, span_seconds=300.0)
@@ -787,16 +795,7 @@ def transcribe_files(checkpoint: str | os.PathLike, files: Sequence[str | os.Pat
     seek = None
     if windows == "whisper":
         seek = whisper or WhisperSeek(beam_size=beam_size, length_penalty=length_penalty, sample_len=max_new_tokens)
-    results: list[Any] = []
-    waves: dict[int, Tensor] = {}
-    for i, f in enumerate(files):
-        try:
-            waves[i] = read_audio_file(f, audio_tok.sample_rate)
-            results.append("")
-        except (OSError, ValueError) as exc:
-            if not return_exceptions:
-                raise
-            results.append(exc)
+    results, waves = _read_files(files, audio_tok.sample_rate, return_exceptions)
     if not waves:
         return results
     keys = [os.fspath(files[i]) for i in waves]
