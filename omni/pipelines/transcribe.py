@@ -697,7 +697,10 @@ def load_draft_recognizer(draft: str | os.PathLike, audio_tok: AudioTokenizer, t
         draft = resolve_export_dir(draft)  # a run directory: its export
         draft_model, draft_audio, draft_text = recognizer(draft, device)
     except (OSError, KeyError, ValueError) as exc:
-        raise ValueError(f"--draft {os.fspath(draft)}: not a speech recognition export ({one_line(exc)})") from exc
+        said = one_line(exc).removeprefix(f"{os.fspath(draft)}: ")
+        if "speech recognition export" not in said:
+            said = f"not a speech recognition export ({said})"
+        raise ValueError(f"--draft {os.fspath(draft)}: {said}") from exc
     if not isinstance(draft_model, SpeechRecognizer):
         raise ValueError(f"--draft {os.fspath(draft)}: a draft model is a speech recognition export "
                          "(recipes/whisper.py, omni convert of a Whisper)")
