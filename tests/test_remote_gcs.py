@@ -22,10 +22,12 @@ from pathlib import Path
 
 import pytest
 from conftest import load_recipe
-from test_data_remote import collate, decode_sample, epoch  # the same content-not-URL view of a sample
+# the same content-not-URL view of a sample, and the same loader (omni's retries never apply here: gcsfs's faults
+# below are refusals and missing objects, which are not retried)
+from test_data_remote import epoch, loader
 
-from omni.data.reader import ShardLoader, index_shard
-from omni.data.remote import RemoteOptions, dataset_source
+from omni.data.reader import index_shard
+from omni.data.remote import dataset_source
 from omni.data.shards import DatasetError, read_manifest
 
 pytest.importorskip("gcsfs", reason="gcsfs is not installed (pip install -e \".[dev]\"): gs:// is not tested")
@@ -228,20 +230,6 @@ def gcs(gcs_server, monkeypatch):
     yield gcs_server
     assert gcs_server.unknown == [], "gcsfs asked the fake server for something it does not answer"
     assert gcs_server.authorized == [], "anonymous access sent credentials"
-
-
-def options(tmp_path: Path, **kw) -> RemoteOptions:
-    kw.setdefault("retries", 2)
-    kw.setdefault("backoff", 0.001)
-    kw.setdefault("timeout", 10.0)
-    return RemoteOptions(cache_dir=str(tmp_path / "cache"), **kw)
-
-
-def loader(source, tmp_path=None, **kw) -> ShardLoader:
-    kw.setdefault("batch_size", 64)
-    if tmp_path is not None:
-        kw["remote"] = options(tmp_path, **kw.pop("remote_kw", {}))
-    return ShardLoader(source, decode_sample, collate, **kw)
 
 
 def media_gets(server) -> list[str]:
