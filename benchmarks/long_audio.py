@@ -43,6 +43,8 @@ from typing import Any
 
 import numpy as np
 
+from _memory import reset_peak, rss_kb  # benchmarks/_memory.py: this script's folder is on sys.path
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
@@ -158,13 +160,6 @@ def windowed(model: Any, audio_tok: Any, wave: Any, refine: bool = True) -> tupl
     return " ".join(t for t in texts if t), words
 
 
-def _rss_kb(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise RuntimeError(f"no {field} in /proc/self/status")
-
-
 def point(method: str, checkpoint: str, wav: Path) -> dict[str, Any]:
     """One (method, recording) in this process: text, words, seconds, peak memory."""
     import torch
@@ -175,8 +170,8 @@ def point(method: str, checkpoint: str, wav: Path) -> dict[str, Any]:
     model, audio_tok, _ = load_recognizer(checkpoint, "cpu")
     model.eval()
     wave = read_audio_file(wav, audio_tok.sample_rate)
-    Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
-    before = _rss_kb("VmRSS")
+    reset_peak()  # the peak RSS (VmHWM) from here
+    before = rss_kb("VmRSS")
     cpu0, t0 = time.process_time(), time.perf_counter()
     with torch.no_grad():
         if method == "windows":
@@ -184,7 +179,7 @@ def point(method: str, checkpoint: str, wav: Path) -> dict[str, Any]:
         else:
             text, words = one_pass(model, audio_tok, wave, span_seconds=SPAN_SECONDS if method == "spans" else None)
     seconds, cpu = time.perf_counter() - t0, time.process_time() - cpu0
-    peak = _rss_kb("VmHWM")
+    peak = rss_kb("VmHWM")
     return {"method": method, "seconds": seconds, "cpu_seconds": cpu, "peak_extra_mib": (peak - before) / 1024,
             "peak_mib": peak / 1024, "threads": torch.get_num_threads(), "text": text,
             "words": [[w.word, w.start, w.end] for w in words]}

@@ -26,6 +26,8 @@ import sys
 import time
 from pathlib import Path
 
+from _memory import reset_peak, rss_kb  # benchmarks/_memory.py: this script's folder is on sys.path
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
@@ -55,13 +57,6 @@ class EndlessCartPole:
         pass
 
 
-def _rss_kb(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise RuntimeError(f"no {field} in /proc/self/status")
-
-
 def point(attention: str, context: int, window: int, envs: int, steps: int) -> dict:
     import torch
 
@@ -79,11 +74,8 @@ def point(attention: str, context: int, window: int, envs: int, steps: int) -> d
         t.numel() * t.element_size() for t in (model.new_cache(envs).k + model.new_cache(envs).v))
     warm = [EndlessCartPole() for _ in range(envs)]
     rollout(model, tok, warm, list(range(envs)), targets=[500.0] * envs, max_steps=3, cache=True)  # first calls
-    base = _rss_kb("VmRSS")
-    try:
-        Path("/proc/self/clear_refs").write_text("5")  # reset the peak RSS (VmHWM) to the current RSS
-    except OSError:
-        pass
+    base = rss_kb("VmRSS")
+    reset_peak()  # the peak RSS (VmHWM) from here
     start, cpu = time.perf_counter(), time.process_time()
     res = rollout(model, tok, [EndlessCartPole() for _ in range(envs)], list(range(envs)), targets=[500.0] * envs,
                   max_steps=steps, cache=True)
@@ -91,7 +83,7 @@ def point(attention: str, context: int, window: int, envs: int, steps: int) -> d
     assert int(res.lengths.min()) == steps
     return {"attention": attention, "context": context, "window": window if pattern else None, "envs": envs,
             "steps": steps, "ms_per_step": 1000 * seconds / steps, "cpu_ms_per_step": 1000 * cpu_s / steps,
-            "cache_kib": cache_bytes / 1024, "peak_mib": (_rss_kb("VmHWM") - base) / 1024}
+            "cache_kib": cache_bytes / 1024, "peak_mib": (rss_kb("VmHWM") - base) / 1024}
 
 
 def main() -> None:

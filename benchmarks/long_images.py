@@ -38,18 +38,13 @@ import sys
 import time
 from pathlib import Path
 
+from _memory import reset_peak, rss_kb  # benchmarks/_memory.py: this script's folder is on sys.path
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 SIZES = (224, 512, 1024)
 VARIANTS = ("full", "w7/4", "w7/0", "w3/4")
-
-
-def _rss_kb(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise RuntimeError(f"no {field} in /proc/self/status")
 
 
 def attention(variant: str) -> dict | None:
@@ -95,11 +90,8 @@ def measure(variant: str, size: int, args: argparse.Namespace) -> dict:
         with torch.no_grad():
             model(x)
 
-    base = _rss_kb("VmRSS")  # the model and the image, before any activation
-    try:
-        Path("/proc/self/clear_refs").write_text("5")  # reset the peak RSS (VmHWM) to the current RSS
-    except OSError:
-        pass
+    base = rss_kb("VmRSS")  # the model and the image, before any activation
+    reset_peak()  # the peak RSS (VmHWM) from here
     train_step()  # warm-up: first-call costs (kernel choice, allocator)
     cpu, wall = [], []
     for _ in range(args.repeats):
@@ -107,7 +99,7 @@ def measure(variant: str, size: int, args: argparse.Namespace) -> dict:
         train_step()
         cpu.append(time.process_time() - c)
         wall.append(time.perf_counter() - w)
-    peak = (_rss_kb("VmHWM") - base) / 1024  # the allocator keeps what the warm-up freed: peak over all calls
+    peak = (rss_kb("VmHWM") - base) / 1024  # the allocator keeps what the warm-up freed: peak over all calls
     infer()
     fcpu, fwall = [], []
     for _ in range(args.repeats):

@@ -31,18 +31,13 @@ import sys
 import time
 from pathlib import Path
 
+from _memory import reset_peak, rss_kb  # benchmarks/_memory.py: this script's folder is on sys.path
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 METHODS = ("full_sdpa", "dense_local", "banded_local", "banded_local_global", "flex_local", "flex_local_global")
 LENGTHS = (1024, 2048, 4096, 8192, 16384, 32768, 65536)
-
-
-def _rss_kb(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise RuntimeError(f"no {field} in /proc/self/status")
 
 
 def measure(method: str, T: int, heads: int, head_dim: int, window: int, n_global: int, repeats: int) -> dict:
@@ -76,15 +71,12 @@ def measure(method: str, T: int, heads: int, head_dim: int, window: int, n_globa
     run()  # warm-up, not measured: first-call costs (kernel choice, allocator; compiled Flex: the compile)
     times, peaks = [], []
     for _ in range(repeats):
-        base = _rss_kb("VmRSS")
-        try:
-            Path("/proc/self/clear_refs").write_text("5")  # reset the peak RSS (VmHWM) to the current RSS
-        except OSError:
-            pass
+        base = rss_kb("VmRSS")
+        reset_peak()  # the peak RSS (VmHWM) from here
         start = time.perf_counter()
         run()
         times.append(time.perf_counter() - start)
-        peaks.append((_rss_kb("VmHWM") - base) / 1024)
+        peaks.append((rss_kb("VmHWM") - base) / 1024)
     times.sort()
     return {"seconds": times[len(times) // 2], "peak_mib": max(peaks)}
 

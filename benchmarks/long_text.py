@@ -36,6 +36,8 @@ import sys
 import time
 from pathlib import Path
 
+from _memory import reset_peak, rss_kb  # benchmarks/_memory.py: this script's folder is on sys.path
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "recipes"))
@@ -60,13 +62,6 @@ def recipe_command(name: str, args: argparse.Namespace) -> list[str]:
     return [sys.executable, str(ROOT / "recipes/lm.py"), "--preset", "cpu", *[a for s in sets for a in ("--set", s)]]
 
 
-def _rss_kb(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise RuntimeError(f"no {field} in /proc/self/status")
-
-
 def point(export: str, heldout: str, length: int, window: int = 0) -> dict:
     """One (model, length) in this process (``window``: a causal window imposed on it, recipes/lm.py: windowed):
     bits/byte, seconds, CPU seconds, peak extra MiB."""
@@ -82,15 +77,12 @@ def point(export: str, heldout: str, length: int, window: int = 0) -> dict:
         model = lm.windowed(model, window)
     tok = TextTokenizer.load(Path(export) / "tokenizers" / "text")
     held = json.loads(Path(heldout).read_text())
-    base = _rss_kb("VmRSS")
-    try:
-        Path("/proc/self/clear_refs").write_text("5")  # reset the peak RSS (VmHWM) to the current RSS
-    except OSError:
-        pass
+    base = rss_kb("VmRSS")
+    reset_peak()  # the peak RSS (VmHWM) from here
     start, cpu = time.perf_counter(), time.process_time()
     r = lm.long_text_bpb(model, "lm", tok, held["ids"], held["bytes"], length)
     return {**r, "length": length, "seconds": time.perf_counter() - start, "cpu_seconds": time.process_time() - cpu,
-            "peak_mib": (_rss_kb("VmHWM") - base) / 1024,
+            "peak_mib": (rss_kb("VmHWM") - base) / 1024,
             "past_table": model.trunk_config.positions.startswith("learned")
             and length > model.trunk_config.max_positions}
 
