@@ -1,5 +1,5 @@
 """ASR text helpers, model-free: the transcript normalisation every WER / CER uses, the edit distances, and the
-CTC head's byte labels and best-path decoding. A leaf: torch and rapidfuzz, nothing of omni, so the speech model,
+CTC head's byte labels and best-path decoding. A leaf: numpy, torch and rapidfuzz, nothing of omni, so the speech model,
 the multimodal transcribe task, the timing algorithms and the recipes share one definition."""
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ import re
 import unicodedata
 from typing import Hashable, Sequence
 
+import numpy as np
 import torch
 from rapidfuzz.distance import Levenshtein
 from torch import Tensor
@@ -22,15 +23,21 @@ def ctc_labels(transcript: str) -> Tensor:
 
 
 def ctc_greedy_decode(ctc_logits: Tensor, audio_mask: Tensor | None = None) -> list[str]:
-    """Best-path CTC decoding of (B, S, 257) logits: argmax per audio token, repeats merged, blanks dropped,
-    bytes decoded as UTF-8 (invalid sequences replaced). A quick read of what the encoder alone hears."""
-    best = ctc_logits.argmax(-1).tolist()
-    lengths = [len(row) for row in best] if audio_mask is None else audio_mask.sum(1).tolist()
-    out = []
-    for row, n in zip(best, lengths):
-        kept = [c for i, c in enumerate(row[:n]) if c != CTC_BLANK and (i == 0 or c != row[i - 1])]
-        out.append(bytes(kept).decode("utf-8", errors="replace"))
-    return out
+    """Best-path CTC decoding of (B, S, 257) logits: argmax per audio token, then ``ctc_collapse``. A quick read
+    of what the encoder alone hears."""
+    best = ctc_logits.argmax(-1).cpu().numpy()
+    lengths = [best.shape[1]] * best.shape[0] if audio_mask is None else audio_mask.sum(1).tolist()
+    return [ctc_collapse(row[:n]) for row, n in zip(best, lengths)]
+
+
+def ctc_collapse(path: Sequence[int] | np.ndarray) -> str:
+    """Best-path CTC text of per-frame labels: repeats merged, blanks dropped, bytes decoded as UTF-8 (invalid
+    sequences replaced). Vectorised: an hour's path (120,000 frames) in milliseconds."""
+    path = np.asarray(path, dtype=np.int64)
+    if path.size == 0:
+        return ""
+    keep = (path != CTC_BLANK) & np.concatenate([[True], path[1:] != path[:-1]])
+    return bytes(path[keep].astype(np.uint8).tolist()).decode("utf-8", errors="replace")
 
 
 _APOSTROPHES = str.maketrans({"\u2019": "'", "\u2018": "'", "\u02bc": "'", "`": "'"})

@@ -45,6 +45,7 @@ import torch
 from torch import Tensor
 
 from omni.asr_text import CTC_BLANK
+from omni.asr_text import ctc_collapse as collapse  # the best-path text of a label path
 from omni.attention_patterns import UNBOUNDED, Pattern, Schedule, lower
 from omni.timestamps import WordTiming, ctc_word_timings, frame_energy
 from omni.tokenizers.audio import (_DYNAMIC_RANGE, _MEL_CLAMP, _OFFSET, _SCALE, AudioTokenizer, _mel_transform, log_mel,
@@ -224,14 +225,6 @@ def ctc_log_probs(model: Any, memory: Tensor, chunk: int = 8192) -> Tensor:
     for a in range(0, memory.shape[1], chunk):
         out[a:a + chunk] = model.ctc_head(memory[0, a:a + chunk]).float().log_softmax(-1).cpu()
     return out
-
-
-def collapse(path: np.ndarray) -> str:
-    """Best-path CTC text of frame labels: repeats merged, blanks dropped, bytes as UTF-8 (``ctc_greedy_decode``)."""
-    if len(path) == 0:
-        return ""
-    keep = (path != CTC_BLANK) & np.concatenate([[True], path[1:] != path[:-1]])
-    return bytes(path[keep].astype(np.uint8).tolist()).decode("utf-8", errors="replace")
 
 
 def pieces(path: np.ndarray, limit: int, search: int) -> list[tuple[int, int]]:
