@@ -211,6 +211,10 @@ RULES: dict[str, Key] = dict(
     min_lr_ratio=Key(type=float, check=FRACTION, help="the cosine schedule ends at lr * min_lr_ratio"),
     warmup_steps=Key(type=int, check=at_least(0), help="linear warm-up steps"),
     weight_decay=Key(type=float, check=at_least(0), help="AdamW weight decay (matrices only)"),
+    optimizer=Key(type=str, check=one_of("adamw", "muon"),
+                  help="adamw; or muon: Muon for the 2-D weights of the nn.Linear modules inside the trunk "
+                       "(attention, MLP), AdamW for embeddings, heads, norms, biases and conv kernels, one lr and "
+                       "schedule (omni.optimizers); not with cuda_graph or FSDP"),
     clip_norm=Key(type=float, help="gradient norm clipping (<= 0: off)"),
     dropout=Key(type=float, check=between(0, 0.99), help="residual dropout"),
     workers=Key(type=int, check=at_least(0), help="data loader worker processes"),

@@ -72,6 +72,8 @@ traps it avoids (the project's research notes on Accelerate/webdataset pitfalls,
 Weight decay rule (``default_param_groups``): decay every parameter with >= 2 dims (Linear / conv
 kernels) except embedding tables (``nn.Embedding`` weights: token, learned-position, timestep tables, and
 any LM head tied to them); never decay 1-D parameters (biases, norm scales, type embeddings, CLS tokens).
+With ``optimizer="muon"`` the same groups are cut in two (``omni.optimizers``): the trunk's nn.Linear weights
+train with Muon, the rest with AdamW.
 """
 
 from __future__ import annotations
@@ -100,6 +102,7 @@ from omni.evaluation import (HISTORY_NAME, EvalFn, Evaluator, MetricHistory, Mod
 from omni.export import DiskFullError, IntegrityError
 from omni.interrupts import StopOnSignal, TrainingInterrupted
 from omni.lock import DirectoryLock, LockedError
+from omni.optimizers import MuonAdamW, muon_parameters, split_groups
 from omni.progress import Progress
 from omni.steps import DataStream, Loss, LossOutput, NonFiniteLossError, batch_keys, build_step
 
@@ -114,6 +117,10 @@ class TrainConfig:
     min_lr_ratio: float = 0.0  # cosine ends at lr * min_lr_ratio
     warmup_steps: int = 0  # linear warmup from lr/warmup_steps to lr
     weight_decay: float = 0.05  # on matrices only (module docstring)
+    # "adamw", or "muon": Muon for the 2-D weights of the nn.Linear modules inside the trunk (attention, MLP),
+    # AdamW for the rest (embeddings, heads, norms, biases, conv kernels), same lr / weight decay / schedule
+    # (omni.optimizers.MuonAdamW). Not with cuda_graph (AdamW only) or FSDP (Muon needs whole matrices).
+    optimizer: str = "adamw"
     beta1: float = 0.9
     beta2: float = 0.999
     eps: float = 1e-8
@@ -159,6 +166,11 @@ class TrainConfig:
             raise ValueError(f"resume must be one of {', '.join(map(repr, RESUME_MODES))}, got {self.resume!r}")
         if self.mixed_precision not in ("auto", "no", "bf16", "fp16"):
             raise ValueError(f"mixed_precision must be auto, no, bf16 or fp16, got {self.mixed_precision!r}")
+        if self.optimizer not in ("adamw", "muon"):
+            raise ValueError(f"optimizer must be adamw or muon, got {self.optimizer!r}")
+        if self.cuda_graph and self.optimizer != "adamw":
+            raise ValueError(f"optimizer {self.optimizer!r} cannot run under cuda_graph (the captured step replays "
+                             "AdamW only): set cuda_graph=False or optimizer='adamw'")
         if self.cuda_graph and (self.grad_accum != 1 or self.mixed_precision == "fp16"):
             raise ValueError("cuda_graph needs grad_accum 1 and no fp16 (the loss scaler skips steps on the host), "
                              f"got grad_accum {self.grad_accum}, mixed_precision {self.mixed_precision!r}")
@@ -352,11 +364,22 @@ def _tracker(name: str) -> str | None:
     return name
 
 
-def build_optimizer(groups: list[dict[str, Any]], config: TrainConfig, device: torch.device
-                    ) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
-    """AdamW over ``groups`` (fused on CUDA) and its warmup + cosine schedule (``lr_multiplier``)."""
-    optimizer = torch.optim.AdamW(groups, lr=config.lr, betas=(config.beta1, config.beta2), eps=config.eps,
-                                  weight_decay=config.weight_decay, fused=device.type == "cuda" or None)
+def build_optimizer(groups: list[dict[str, Any]], config: TrainConfig, device: torch.device,
+                    muon_ids: set[int] | None = None
+                    ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+    """``config.optimizer`` over ``groups`` and its warmup + cosine schedule (``lr_multiplier``): AdamW (fused on
+    CUDA), or ``omni.optimizers.MuonAdamW`` with the params in ``muon_ids`` (``muon_parameters``; a group's own
+    ``"muon"`` flag wins) on Muon and the rest on AdamW; ValueError in one line when Muon would get nothing."""
+    kwargs = dict(lr=config.lr, betas=(config.beta1, config.beta2), eps=config.eps, weight_decay=config.weight_decay,
+                  fused=device.type == "cuda" or None)
+    if config.optimizer == "muon":
+        groups = split_groups(groups, muon_ids or set())
+        if not any(g["muon"] for g in groups):
+            raise ValueError("optimizer 'muon' found no hidden matrices to train: Muon takes the nn.Linear weights "
+                             "inside an omni Trunk (or param groups marked 'muon': True); use optimizer='adamw'")
+        optimizer: torch.optim.Optimizer = MuonAdamW(groups, **kwargs)
+    else:
+        optimizer = torch.optim.AdamW(groups, **kwargs)
     warmup, total, min_ratio = config.warmup_steps, config.steps, config.min_lr_ratio
 
     def schedule(i: int) -> float:  # a plain function: LambdaLR does not pickle it, so the schedule
@@ -405,7 +428,8 @@ class Trainer:
         what a person looks at after each evaluation (predictions on a few images, a few transcribed clips, a
         return plot), logged to TensorBoard as images, audio and text (``omni.evaluation.Pictures``); called on
         the main process with the plain module, under the evaluation's conditions; not under FSDP.
-    param_groups(model) -> AdamW param groups; default ``default_param_groups``.
+    param_groups(model) -> optimizer param groups; default ``default_param_groups``. With optimizer="muon" each
+        is cut into its Muon part (``muon_parameters``) and its AdamW part, unless it says ``"muon": True/False``.
     hparams: extra (nested) config logged to TensorBoard next to TrainConfig (flattened).
     export_config / export_tokenizers / export_module: what ``omni.export.save_pretrained`` writes to
         output_dir/final (``export_module(model)`` picks the submodule to export, default: all of it).
@@ -446,7 +470,12 @@ class Trainer:
 
         self.accelerator = acc = build_accelerator(config, accelerator_kwargs)
         groups = param_groups(model) if param_groups is not None else default_param_groups(model, config.weight_decay)
-        self.model, self.optimizer, self.scheduler = acc.prepare(model, *build_optimizer(groups, config, acc.device))
+        if config.optimizer == "muon" and str(acc.distributed_type).endswith("FSDP"):  # DistributedType.FSDP
+            raise ValueError("optimizer 'muon' cannot run under FSDP (Newton-Schulz needs whole matrices, FSDP "
+                             "shards them): use DDP or optimizer='adamw'")
+        muon_ids = muon_parameters(model) if config.optimizer == "muon" else None
+        self.model, self.optimizer, self.scheduler = acc.prepare(model, *build_optimizer(groups, config, acc.device,
+                                                                                          muon_ids))
         if config.compile:
             # Compiled here rather than by Accelerate's dynamo plugin: that one lives in the process-wide
             # AcceleratorState (a later Trainer could not change it), and checkpoints keep the plain
