@@ -207,3 +207,33 @@ def test_bad_inits_are_one_line(corpus, tmp_path, capsys, monkeypatch):
         err = capsys.readouterr().err
         assert exc.value.code == 2 and len(err.strip().splitlines()) == 1 and words in err, err
     assert "learned position table (64 positions)" in err
+
+
+def test_muon_trains_the_trunk_matrices_and_adamw_the_tied_table(corpus, tmp_path, capsys, monkeypatch):
+    """optimizer=muon (the cpu preset's): Muon takes the trunk's attention and MLP matrices, AdamW the embedding
+    table (the tied LM head), positions, norms and biases; a few tiny steps lower the loss as AdamW's do. A bad
+    optimizer name is argparse's usage and one error line, exit 2."""
+    from omni.optimizers import muon_parameters
+
+    assert recipe.parse_args(["--preset", "cpu"])["optimizer"] == "muon"
+    cfg = recipe.parse_args(args(tmp_path / "b", corpus, "optimizer=muon"))
+    model = recipe.build(cfg)[0]
+    ids = muon_parameters(model)
+    muon = sorted(n for n, p in model.named_parameters() if id(p) in ids)
+    n_layers = model.omni.trunk_config.n_layers
+    assert muon == sorted(f"omni.trunk.blocks.{i}.{m}.weight" for i in range(n_layers)
+                          for m in ("attn.qkv", "attn.out", "mlp.up", "mlp.down"))
+    table = model.omni.embedders["text"].token.weight
+    assert model.omni.heads["lm"].proj.weight is table and id(table) not in ids  # the tied head stays on AdamW
+    out = tmp_path / "run"
+    metrics = recipe.main(args(out, corpus, "steps=12", "log_every=4", "eval_every=12", "optimizer=muon"))
+    losses = step_losses(out)
+    assert len(losses) == 12 and losses[-1] < losses[0] - 1.0
+    assert metrics["eval/bpb"] < metrics["byte_unigram_bpb"]
+    monkeypatch.setattr(sys, "argv", ["recipes/lm.py"])
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exc:
+        recipe.run_recipe(lambda: recipe.main(args(tmp_path / "o", corpus, "optimizer=sgd")))
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and err.strip().splitlines()[-1] == ("recipes/lm.py: error: optimizer must be 'adamw' "
+                                                                   "or 'muon', got 'sgd'"), err
