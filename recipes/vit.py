@@ -84,7 +84,7 @@ COMMON = dict(
     positions="learned", pool=Key("mean", check=one_of("mean", "cls")),
     batch_size=256, epochs=Key(10, (float, None), POSITIVE, "training epochs (unless steps is set)"),
     steps=Key(None, (int, None), help="optimizer steps (None: epochs x steps per epoch)"), lr=1e-3,
-    min_lr_ratio=0.01, warmup_epochs=Key(1.0, check=at_least(0)), weight_decay=0.05, clip_norm=1.0,
+    min_lr_ratio=0.01, warmup_epochs=Key(1.0, check=at_least(0)), weight_decay=0.05, clip_norm=1.0, optimizer="adamw",
     label_smoothing=Key(0.1, check=between(0, 0.99)), mixup=Key(0.0, check=at_least(0), help="mixup alpha"),
     cutmix=Key(0.0, check=at_least(0), help="cutmix alpha"), pad=Key(2, check=at_least(0), help="random-crop padding"),
     flip=True, erase_prob=Key(0.25, check=FRACTION, help="random-erasing probability"), workers=2,
@@ -103,9 +103,10 @@ PRESETS: dict[str, dict] = {
     # Fashion-MNIST on a 2-core CPU in about six minutes: a convolutional stem (3x3 convs + BatchNorm, 28 -> 14 -> 7
     # -> 4) makes the 4x4 tokens, the hybrid ViT. At equal CPU time the plain 7-px patch projection ends lower
     # (87.9% after 8 epochs against 90.1% after 5; GroupNorm in the stem 3 points below BatchNorm: results.md).
+    # Muon on the trunk's matrices (AdamW on the stem, embeddings, head): 5 epochs 89.6% -> 91.7% for +9% CPU.
     "fmnist-cpu": dict(trunk="tiny", trunk_overrides=dict(d_model=128, n_layers=4, n_heads=4), patch=7,
                        stem=[16, 32, 64, 64], batch_size=128, epochs=5, lr=2e-3, warmup_epochs=0.5, erase_prob=0.0,
-                       pad=1, eval_every_epochs=1.0),
+                       pad=1, eval_every_epochs=1.0, optimizer="muon"),
     # Fashion-MNIST on one H100: small ViT, patch 4 (7x7 tokens), strong augmentation, many epochs.
     "fmnist": dict(trunk="S", trunk_overrides=dict(d_model=256, n_layers=8, n_heads=8), patch=4, batch_size=512,
                    epochs=150, lr=2e-3, warmup_epochs=5, weight_decay=0.05, label_smoothing=0.1, mixup=0.0,

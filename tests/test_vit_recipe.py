@@ -103,14 +103,23 @@ def test_trunk_without_biases(dataset, tmp_path):
 
 
 def test_convolutional_stem(dataset, tmp_path):
-    """`stem=[...]` puts a ConvStem before the trunk: it learns, the export rebuilds the stem, and omni predict reads
-    an image file through it as the recipe's evaluation does."""
+    """`stem=[...]` puts a ConvStem before the trunk: it learns (with optimizer=muon, as the CPU default
+    fmnist-cpu trains it: Muon on the trunk's matrices, AdamW on the stem's kernels), the export rebuilds the stem,
+    and omni predict reads an image file through it as the recipe's evaluation does."""
+    from omni.optimizers import muon_parameters
+
     recipe = load_recipe()
+    cpu = recipe.parse_args(["--preset", "fmnist-cpu"])
+    assert (cpu["optimizer"], cpu["stem"]) == ("muon", [16, 32, 64, 64])
     metrics = recipe.main(["--preset", "tiny", "--data", str(dataset[0]), "--out", str(tmp_path), "--set",
                            "progress=False", "workers=0", "steps=60", "lr=0.005", "pad=0", "limit_train=None",
-                           "limit_eval=None", "stem=[8,16]"])
+                           "limit_eval=None", "stem=[8,16]", "optimizer=muon"])
     assert metrics["eval/accuracy"] > 0.6, metrics
     model = load_pretrained(tmp_path / "final")
+    ids = muon_parameters(model)
+    assert {n for n, p in model.named_parameters() if id(p) in ids} == {
+        f"trunk.blocks.{i}.{m}.weight" for i in range(model.trunk.cfg.n_layers)
+        for m in ("attn.qkv", "attn.out", "mlp.up", "mlp.down")}  # stem kernels, patch projection, head: AdamW
     assert model.stem is not None and model.stem.channels == [8, 16]
     images = dataset[1][0][:8]
     files = [save(Image.fromarray(img), tmp_path / f"{i}.png", "PNG") for i, img in enumerate(images)]
