@@ -110,6 +110,7 @@ COMMON = dict(
     report=Key("decoder", check=one_of("decoder", "ctc"),
                help="which CER the result line gives first: the decoder's or the CTC head's (both are measured)"),
     batch_size=64, steps=6000, lr=1e-3, min_lr_ratio=0.02, warmup_steps=500, weight_decay=0.05, clip_norm=1.0,
+    optimizer="adamw",
     workers=8, compile=False, eval_every=1000, checkpoint_every=1000,
     limit_eval=Key(None, help="greedy-decode (for WER / CER) only the first N samples of each evaluation"),
     eval_batch_size=64, max_new_tokens=Key(224, check=at_least(1), help="longest decoded transcript (tokens)"),

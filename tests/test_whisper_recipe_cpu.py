@@ -115,3 +115,55 @@ def test_encoder_attention_windows_the_encoder_only(recipe, capsys):
         assert stop.value.code == 2
         err = capsys.readouterr().err.strip().splitlines()[-1]
         assert words in err and "Traceback" not in err
+
+
+def test_optimizer_muon_reaches_the_trainer_and_learns(recipe, tmp_path, capsys, monkeypatch):
+    """`optimizer` goes to the Trainer: with muon, Muon trains the nn.Linear weights of both trunks (self- and
+    cross-attention, MLPs) and AdamW the audio / text embedders, the tied LM head and the CTC head; a few tiny steps
+    lower the loss. A bad name is argparse's usage and one error line, exit 2, before any data is built."""
+    import json
+
+    from omni.optimizers import MuonAdamW, muon_parameters
+
+    built = []
+
+    class Recorded(recipe.Trainer):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            built.append(self)
+
+    monkeypatch.setattr(recipe, "Trainer", Recorded)
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n\n".join(f"{s} It was a fine day number {w}." for s, w in zip(
+        ["The cat sat down.", "A red ball rolls away.", "She sings a song.", "Where is my hat?"] * 2,
+        "one two three four five six seven eight".split())))
+    build = {"train": 6, "test": 3, "text": [str(corpus)], "workers": 1, "quiet": True}
+    out = tmp_path / "run"
+    recipe.main(["--preset", "tiny", "--out", str(out), "--set", f"data='{tmp_path / 'data'}'", f"build={build!r}",
+                 "steps=10", "batch_size=3", "eval_batch_size=3", "max_new_tokens=4", "progress=False",
+                 "log_every=5", "optimizer=muon"])
+    trainer = built[0]
+    assert trainer.config.optimizer == "muon"
+    assert isinstance(getattr(trainer.optimizer, "optimizer", trainer.optimizer), MuonAdamW)
+    model = recipe.unwrap(trainer.model)
+    ids = muon_parameters(model)
+    muon = {n for n, p in model.named_parameters() if id(p) in ids}
+    assert muon and all(n.startswith(("encoder.blocks.", "decoder.blocks.")) and n.endswith(".weight") for n in muon)
+    assert any(".cross" in n for n in muon), muon  # the decoder's cross-attention matrices are Muon's too
+    for n, p in model.named_parameters():  # every trunk matrix is Muon's; embedders and heads are AdamW's
+        if n.startswith(("encoder.blocks.", "decoder.blocks.")) and p.ndim == 2:
+            assert n in muon, n
+        if n.startswith(("audio_embed.", "text_embed.", "head.", "ctc_head.")):
+            assert n not in muon, n
+    rows = [json.loads(line) for line in (out / "history.jsonl").read_text().splitlines()]
+    losses = [x for r in rows for x in r.get("train/loss_per_step", [])]
+    assert len(losses) == 10 and losses[-1] < losses[0] - 1.0, losses
+    capsys.readouterr()
+    monkeypatch.setattr("sys.argv", ["recipes/whisper.py"])
+    with pytest.raises(SystemExit) as stop:
+        recipe.run_recipe(lambda: recipe.main(["--preset", "tiny", "--out", str(tmp_path / "o"), "--set",
+                                               f"data='{tmp_path / 'nothing'}'", "optimizer=sgd"]))
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and err.strip().splitlines()[-1] == ("recipes/whisper.py: error: optimizer must be "
+                                                                     "'adamw' or 'muon', got 'sgd'"), err
+    assert not (tmp_path / "nothing").exists()
