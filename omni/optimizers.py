@@ -20,7 +20,8 @@ of them (a checkpoint resumes bit-identically), ``zero_grad`` clears every gradi
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn

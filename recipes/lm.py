@@ -119,12 +119,13 @@ PRESETS: dict[str, dict[str, Any]] = {
                  samples=2),
     # The CPU default (no CUDA): a width-256, 4-layer GPT on paragraph pieces of 128 tokens, 500 steps of 8 x 256
     # tokens (~1.1 epochs), bf16 autocast (1.4x the fp32 step on an AVX-512 BF16 CPU), Muon on the trunk's matrices
-    # (AdamW alone: 1.88 bits/byte at step 100, 1.68 at 500; Muon: 1.70 at 100, 1.56 at 300, +~12% per step).
-    # Measured (2026-11-27, 2-core EPYC, 1 thread): held out 1.49 bits/byte vs 2.08 for the token unigram (0.59
-    # below), 427 CPU-s in all (~4 min on 2 idle cores).
+    # (held out at step 500: AdamW 1.68 bits/byte, Muon 1.49; Muon costs ~6% more CPU), RoPE positions (Muon with
+    # learned positions: 1.556 at step 300 of 300, with RoPE 1.518). Measured (2026-11-27, 2-core EPYC, 1 thread):
+    # held out 1.45 bits/byte vs 2.08 for the token unigram (0.63 below), 451 CPU-s in all (~4 min on 2 idle cores).
     "cpu": dict(out="runs/lm-cpu", trunk="tiny", trunk_overrides={"d_model": 256, "n_layers": 4, "n_heads": 4},
                 context=128, row_length=256, rows=8, steps=500, lr=4e-3, warmup_steps=30, eval_every=100,
-                checkpoint_every=0, log_every=25, mixed_precision="bf16", samples=3, optimizer="muon"),
+                checkpoint_every=0, log_every=25, mixed_precision="bf16", samples=3, optimizer="muon",
+                positions="rope"),
     # From scratch on one GPU: a width-384 GPT on the corpus, 512-token documents.
     "small": dict(trunk="S", context=512, row_length=2048, rows=16, steps=5000, lr=1e-3, compile=True),
     # Fine-tune a GPT-2 (--set init=...) on one GPU: its 1024 positions, a small lr, light weight decay.

@@ -215,7 +215,8 @@ def test_muon_trains_the_trunk_matrices_and_adamw_the_tied_table(corpus, tmp_pat
     optimizer name is argparse's usage and one error line, exit 2."""
     from omni.optimizers import muon_parameters
 
-    assert recipe.parse_args(["--preset", "cpu"])["optimizer"] == "muon"
+    cpu = recipe.parse_args(["--preset", "cpu"])
+    assert (cpu["optimizer"], cpu["positions"]) == ("muon", "rope")
     cfg = recipe.parse_args(args(tmp_path / "b", corpus, "optimizer=muon"))
     model = recipe.build(cfg)[0]
     ids = muon_parameters(model)
