@@ -13,8 +13,9 @@ attention never crosses documents, and positions restart at each one.
 
 From scratch the tokenizer is omni's BPE (``omni.tokenizers.text``, bpe-8k, bos and eos around each document)
 and the trunk a ``trunk`` preset with ``positions`` (learned_1d: GPT-2's table, sized ``context``).
-``optimizer='muon'`` (the cpu preset's) trains the trunk's attention and MLP matrices with Muon and the embedding
-table (the tied head), positions, norms and biases with AdamW, one lr and schedule (omni.optimizers).
+``optimizer='muon'`` (the cpu preset's, with positions='rope') trains the trunk's attention and MLP matrices with
+Muon and the embedding table (the tied head), positions, norms and biases with AdamW, one lr and schedule
+(omni.optimizers).
 
 --set init=PATH starts from a text LM: an omni text-LM export (this recipe's, a converted GPT-2, a multimodal run
 with only='text') or a Hugging Face GPT-2 directory (converted on the fly, omni.interop.gpt2). Its tokenizer,
