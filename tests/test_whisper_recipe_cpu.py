@@ -23,6 +23,7 @@ def test_default_preset_is_cpu_without_cuda_and_base_with_it(recipe, monkeypatch
     cfg = recipe.parse_args([])
     assert (cfg["preset"], cfg["out"], cfg["report"], cfg["audio_stride"]) == ("cpu", "runs/whisper-cpu", "ctc", 3)
     assert cfg["build"]["test"] >= 200 and cfg["limit_eval"] is None  # the whole held-out set is scored
+    assert cfg["optimizer"] == "muon" and recipe.parse_args(["--preset", "tiny"])["optimizer"] == "adamw"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert recipe.parse_args([])["preset"] == "base"
     assert recipe.parse_args(["--preset", "tiny"])["report"] == "decoder"  # the tiny smoke run keeps its order
