@@ -2,7 +2,7 @@
 BPE text -> causal decoder with cross-attention -> tied LM head. Model, decoding and metrics: omni/speech.py.
 
     python recipes/whisper.py                          # eSpeak NG speech (built if missing); base on CUDA, else cpu
-                                                       # (< 10 min on 2 cores, CTC head ~16% CER; runs/whisper-cpu)
+                                                       # (< 10 min on 2 cores, CTC head ~15% CER; runs/whisper-cpu)
     python recipes/whisper.py --preset tiny            # CPU smoke run (for the tests: it learns nothing)
     python recipes/whisper.py --preset tiny --set "text=['corpus.txt']"   # your own text instead of Austen's
     python recipes/whisper.py --preset base --data shards/librispeech --set steps=100000
@@ -130,15 +130,15 @@ PRESETS: dict[str, dict] = {
     # The CPU default (no GPU): hybrid CTC/attention, width 128, 3 + 3 layers (2.5M parameters, most of them the
     # tied 8k-token embedding), on 6,000 synthesised sentences of 3-15 words, audio tokens at 33 Hz (stride 3: a
     # third fewer encoder tokens than 50 Hz, still more than the ~19 characters/s CTC must emit at eSpeak's fastest
-    # rate). 1,600 steps of batch 16 at lr 2e-3, Muon on both trunks' matrices (omni.optimizers; AdamW on the
-    # embedders and heads). Measured (2026-11-27, shared 2-core EPYC, 1 thread): CTC head 15.7% CER on the 200
-    # held-out sentences (35.9 / 22.9 / 17.7% at steps 400 / 800 / 1200), decoder 42.0% (a constant training
-    # sentence: 77.1%); AdamW alone: CTC 19.0%, decoder 68.1% (seed 1: 19.5%). ~760 s of one-thread CPU for the
-    # run, ~800 s with the data build. On the CPU the CTC head learns to transcribe before the decoder does, so the
-    # result line gives its CER first.
+    # rate). 1,600 steps of batch 16 at lr 3e-3, Muon on both trunks' matrices (omni.optimizers; AdamW on the
+    # embedders and heads). Measured (2026-11-27, shared 2-core EPYC, 1 thread): CTC head 14.5% CER on the 200
+    # held-out sentences (33.5 / 22.0 / 16.9% at steps 400 / 800 / 1200), decoder 34.5% (a constant training
+    # sentence: 77.1%); seed 1: 15.0 / 35.1%. Muon at lr 2e-3: CTC 15.7%, decoder 42.0%; AdamW at 2e-3: CTC 19.0%,
+    # decoder 68.1%. ~710 s of one-thread CPU for the training, ~750 s with the data build. On the CPU the CTC head
+    # learns to transcribe before the decoder does, so the result line gives its CER first.
     "cpu": dict(data="data/speech-synth-cpu", build=dict(train=6000, test=200, max_words=15), out="runs/whisper-cpu",
                 trunk="tiny", trunk_overrides=dict(d_model=128, n_layers=3), audio_stride=3, ctc_weight=0.5,
-                batch_size=16, steps=1600, lr=2e-3, warmup_steps=200, workers=1, eval_every=400, checkpoint_every=400,
+                batch_size=16, steps=1600, lr=3e-3, warmup_steps=200, workers=1, eval_every=400, checkpoint_every=400,
                 eval_batch_size=50, max_new_tokens=48, report="ctc", optimizer="muon"),
     # cpu with a local encoder (64 audio tokens either side, +-1.9 s at 33 Hz; 3 layers reach +-5.8 s) and RoPE:
     # length-invariant, so `omni transcribe` reads a long recording in ONE encoder pass (omni.pipelines.long_audio).
