@@ -403,3 +403,21 @@ def test_a_recipe_trains_on_a_dataset_url(http, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (tmp_path / "run" / "final" / "model.safetensors").is_file()
     assert any((tmp_path / "cache").rglob("*.tar")), "the shards were read through the cache"
+
+
+def test_a_shard_evicted_between_its_fetch_and_its_opening_is_fetched_again(site, http, tmp_path, monkeypatch):
+    """Another process (a data worker making room in a small cache) can evict a shard after this one fetched it and
+    before it opened it: the reader fetches it again instead of failing or calling the shard corrupt."""
+    get, evicted = ShardCache.get, set()
+
+    def get_then_evicted(self, url, *args, **kwargs):
+        local, digest = get(self, url, *args, **kwargs)
+        if url not in evicted:  # the first fetch of each shard is evicted before its caller opens it
+            evicted.add(url)
+            self.discard(local)
+        return local, digest
+
+    monkeypatch.setattr(ShardCache, "get", get_then_evicted)
+    remote = loader(f"{http}/ds", tmp_path, seed=4, batch_size=50)
+    assert epoch(remote) == epoch(loader(site / "ds", seed=4, batch_size=50))
+    assert len(evicted) == 5

@@ -52,7 +52,7 @@ import warnings
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO, Callable, Iterator, Sequence
+from typing import Any, BinaryIO, Callable, Iterator, Sequence, TypeVar
 
 import numpy as np
 import torch
@@ -67,6 +67,7 @@ from omni.data.tar_index import ShardIndex, count_samples, index_shard  # noqa: 
 from omni.deps import MissingDependency
 from omni.files import DiskFullError, NotWritableError
 
+T = TypeVar("T")
 logger = logging.getLogger(__name__)
 
 
@@ -266,6 +267,18 @@ class _Reader:
         local, self._digests[sid] = self._cache.get(url, expected, size)
         return local
 
+    def _with_local(self, sid: int, use: Callable[[str], T]) -> tuple[str, T]:
+        """(local path, use(local path)) of shard sid. A cached remote shard can be evicted by another process (a data
+        worker making room) between its fetch and its opening: then it is fetched again, up to twice."""
+        for attempt in range(3):
+            local = self.path(sid)
+            try:
+                return local, use(local)
+            except FileNotFoundError:
+                if local == self.cfg.urls[sid] or attempt == 2:
+                    raise
+        raise AssertionError("unreachable")
+
     def cached(self, sid: int) -> bool:
         """Whether shard sid can be read without a fetch: a local file, or a remote one in the cache."""
         url = self.cfg.urls[sid]
@@ -278,8 +291,7 @@ class _Reader:
         hashed first (a remote shard's digest comes from its fetch), and a mismatch marks every sample corrupt."""
         if sid not in self._index:
             url = self.cfg.urls[sid]
-            local = self.path(sid)
-            idx = index_shard(local)
+            local, idx = self._with_local(sid, index_shard)
             if len(idx) > self.cfg.counts[sid]:
                 logger.warning(
                     "shard %s holds %d samples but its count is %d; the extra samples are never read",
@@ -300,7 +312,7 @@ class _Reader:
         if sid in self._files:
             self._files.move_to_end(sid)
         else:
-            self._files[sid] = open(self.path(sid), "rb")
+            self._files[sid] = self._with_local(sid, lambda local: open(local, "rb"))[1]
             while len(self._files) > self.max_open:
                 self._files.popitem(last=False)[1].close()
         return self._files[sid]
