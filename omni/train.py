@@ -470,7 +470,9 @@ class Trainer:
 
         self.accelerator = acc = build_accelerator(config, accelerator_kwargs)
         groups = param_groups(model) if param_groups is not None else default_param_groups(model, config.weight_decay)
-        if config.optimizer == "muon" and str(acc.distributed_type).endswith("FSDP"):  # DistributedType.FSDP
+        from accelerate.utils import DistributedType
+
+        if config.optimizer == "muon" and acc.distributed_type == DistributedType.FSDP:
             raise ValueError("optimizer 'muon' cannot run under FSDP (Newton-Schulz needs whole matrices, FSDP "
                              "shards them): use DDP or optimizer='adamw'")
         muon_ids = muon_parameters(model) if config.optimizer == "muon" else None

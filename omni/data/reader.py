@@ -270,14 +270,15 @@ class _Reader:
     def _with_local(self, sid: int, use: Callable[[str], T]) -> tuple[str, T]:
         """(local path, use(local path)) of shard sid. A cached remote shard can be evicted by another process (a data
         worker making room) between its fetch and its opening: then it is fetched again, up to twice."""
-        for attempt in range(3):
+        for _ in range(2):
             local = self.path(sid)
             try:
                 return local, use(local)
             except FileNotFoundError:
-                if local == self.cfg.urls[sid] or attempt == 2:
+                if local == self.cfg.urls[sid]:  # not a cached copy: the file itself is missing
                     raise
-        raise AssertionError("unreachable")
+        local = self.path(sid)
+        return local, use(local)
 
     def cached(self, sid: int) -> bool:
         """Whether shard sid can be read without a fetch: a local file, or a remote one in the cache."""
